@@ -1,0 +1,53 @@
+"""Zero-code-change watching: a global module forward pre-hook that watches the first
+top-level module with parameters (the model) when the script never calls ``watch()`` itself."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from torch import nn
+from torch.nn.modules.module import register_module_forward_pre_hook
+
+from .session import Session
+
+log = logging.getLogger(__name__)
+
+
+class AutoWatch:
+    def __init__(self, session: Session):
+        self.session = session
+        self._known: set[int] = set()
+        self._roots: list[Any] = []
+        self._handle = register_module_forward_pre_hook(self._pre)
+
+    def _pre(self, module: nn.Module, args: Any) -> None:
+        if id(module) in self._known or self.session.closed:
+            return
+        from .watch import Watch, unwrap_model, watched_root
+
+        root, _ = unwrap_model(module)
+        w = watched_root(root)
+        if w is None:
+            for other in self.session.watches:
+                if any(m is module for m in other.root.modules()):
+                    w = other
+                    break
+        if w is not None:
+            self._known.update(id(m) for m in w.root.modules())
+            self._known.add(id(module))
+            return
+        if next(module.parameters(), None) is None:
+            self._known.add(id(module))  # loss functions and other parameter-free callables
+            return
+        prefix = "" if not self._roots else f"{type(root).__name__.lower()}{len(self._roots)}."
+        w = Watch(module, self.session, all_modules=self.session.config.all_modules, prefix=prefix)
+        self._roots.append(w)
+        self._known.update(id(m) for m in root.modules())
+        self._known.add(id(module))
+        log.info("ampdoctor: watching %s automatically%s", type(root).__name__, f" as {prefix}" if prefix else "")
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None

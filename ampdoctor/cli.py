@@ -1,0 +1,174 @@
+"""The command line: ``ampdoctor run | bisect | report``. The only module that prints."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import click
+
+from .formats import FORMATS
+
+SCRIPT_CTX = {"ignore_unknown_options": True, "allow_interspersed_args": False}
+FORMAT_CHOICE = click.Choice(sorted(FORMATS), case_sensitive=False)
+
+
+def _script_args(args: Sequence[str]) -> list[str]:
+    args = list(args)
+    return args[1:] if args and args[0] == "--" else args
+
+
+def default_out(script: str, command: str) -> Path:
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = Path("ampdoctor-runs") / f"{Path(script).stem}-{command}-{stamp}"
+    out, i = base, 1
+    while out.exists():
+        out = base.with_name(f"{base.name}-{i}")
+        i += 1
+    return out
+
+
+def _setup_logging(verbose: int) -> None:
+    level = logging.WARNING if verbose == 0 else (logging.INFO if verbose == 1 else logging.DEBUG)
+    logging.basicConfig(level=level, format="%(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("ampdoctor").setLevel(level)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="ampdoctor")
+@click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
+def main(verbose: int) -> None:
+    """ampdoctor: find where and why mixed-precision (FP16/BF16/FP8) training breaks."""
+    _setup_logging(verbose)
+
+
+def _report_options(f):
+    f = click.option("--sort", type=click.Choice(["order", "worst"]), default="order", show_default=True,
+                     help="Table order: execution order or worst first.")(f)
+    f = click.option("--top", type=int, default=None, help="Show only the first N rows of each table.")(f)
+    f = click.option("--only-bad", is_flag=True, help="Only layers with NaN/Inf/overflow/subnormal/flush.")(f)
+    f = click.option("--match", default=None, help="Only layers whose name or type contains this text.")(f)
+    f = click.option("--kinds", default="activation,gradient", show_default=True,
+                     help="Tables to show: activation,gradient,weight,weight_grad.")(f)
+    return f
+
+
+def _print_report(report, sort: str, top: int | None, only_bad: bool, match: str | None, kinds: str) -> None:
+    ks = [k.strip() for k in kinds.split(",") if k.strip()]
+    bad = [k for k in ks if k not in ("activation", "gradient", "weight", "weight_grad")]
+    if bad:
+        raise click.BadParameter(f"unknown kind(s) {bad}; use activation,gradient,weight,weight_grad", param_hint="--kinds")
+    width = max(100, min(160, click.get_terminal_size()[0] if hasattr(click, "get_terminal_size") else 120))
+    click.echo(report.to_text(kinds=ks, sort=sort, top=top, only_bad=only_bad, match=match, width=width))
+
+
+def _write_outputs(report, json_path: str | None, html_path: str | None, csv_path: str | None, out: Path | None) -> None:
+    if json_path:
+        report.to_json(json_path)
+        click.echo(f"JSON report: {json_path}")
+    if out is not None:
+        report.to_json(out / "report.json")
+    try:
+        from .report import html as _html  # noqa: F401
+    except ImportError:
+        _html = None
+    if _html is not None:
+        targets = [p for p in (html_path, out / "report.html" if out is not None else None) if p]
+        for p in targets:
+            try:
+                _html.write_html(report, p)
+            except Exception as e:  # a plot failing must not lose the text report
+                click.echo(f"ampdoctor: could not write HTML report {p}: {e}", err=True)
+        if html_path:
+            click.echo(f"HTML report: {html_path}")
+    elif html_path:
+        raise click.ClickException("HTML reports are not available in this installation")
+    if csv_path:
+        from .report.csvout import write_csv
+        write_csv(report, csv_path)
+        click.echo(f"CSV table: {csv_path}")
+
+
+@main.command(context_settings=SCRIPT_CTX)
+@click.option("--out", "out", type=click.Path(file_okay=False), default=None,
+              help="Run folder for the trace and reports [default: ./ampdoctor-runs/<script>-run-<time>].")
+@click.option("--format", "fmt", type=FORMAT_CHOICE, default="fp16", show_default=True,
+              help="Target format the statistics are measured against.")
+@click.option("--every", type=click.IntRange(min=1), default=1, show_default=True, help="Record full statistics every N steps.")
+@click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Stop the script cleanly after N steps.")
+@click.option("--all-modules", is_flag=True, help="Statistics for container modules too, not only leaves.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the report as JSON here.")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help="Also write the HTML report here.")
+@_report_options
+@click.argument("script", type=click.Path())
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+def run(out, fmt, every, max_steps, all_modules, json_path, html_path, sort, top, only_bad, match, kinds, script, script_args):
+    """Run SCRIPT once under watch; write a trace and print the per-layer report.
+
+    Options go before SCRIPT; everything after SCRIPT (or after `--`) is the script's own.
+    Exits with the script's status (3 if it never trained)."""
+    from .config import RunConfig
+    from .report import build_report
+    from .runner import EXIT_NEVER_TRAINED, ScriptNotFound, run_script
+
+    if not Path(script).is_file():
+        raise click.UsageError(f"script not found: {script} (give the path of a Python training script)")
+    out_dir = Path(out) if out else default_out(script, "run")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = RunConfig(trace=str(out_dir / "trace.sqlite"), format=fmt.lower(), every=every, max_steps=max_steps,
+                    all_modules=all_modules)
+    click.echo(f"ampdoctor: running {script} (trace in {out_dir})", err=True)
+    try:
+        result = run_script(script, _script_args(script_args), cfg)
+    except ScriptNotFound as e:
+        raise click.UsageError(str(e)) from None
+    report = build_report(result.trace)
+    _print_report(report, sort, top, only_bad, match, kinds)
+    _write_outputs(report, json_path, html_path, None, out_dir)
+    click.echo(f"run folder: {out_dir}  (re-render: ampdoctor report {out_dir})")
+    if result.status == "crashed":
+        click.echo(f"\nThe script raised {result.error}\n{result.traceback or ''}", err=True)
+        click.echo(f"ampdoctor: {script} failed after {result.steps} step(s); the trace of what ran is kept in {out_dir}.",
+                   err=True)
+        sys.exit(result.exit_code or 1)
+    if result.status == "stopped":
+        click.echo(f"ampdoctor: stopped the script cleanly ({result.stop_reason}) after {result.steps} step(s).", err=True)
+        sys.exit(0)
+    if not result.trained:
+        click.echo(f"ampdoctor: {script} never trained: no optimizer.step() or GradScaler.update() ran. Check that the "
+                   "script runs its training loop with these arguments (pass them after the script name).", err=True)
+        sys.exit(result.exit_code or EXIT_NEVER_TRAINED)
+    sys.exit(result.exit_code)
+
+
+@main.command()
+@click.argument("path", type=click.Path())
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the report as JSON.")
+@click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help="Write the HTML report.")
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help="Write the per-layer table as CSV.")
+@click.option("--rank", type=int, default=0, show_default=True, help="Which rank's trace in a run folder.")
+@_report_options
+def report(path, json_path, html_path, csv_path, rank, sort, top, only_bad, match, kinds):
+    """Print (and write) the report of a trace file or run folder. Needs only the trace."""
+    from .report import build_report
+
+    try:
+        rep = build_report(path, rank=rank)
+    except (FileNotFoundError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    _print_report(rep, sort, top, only_bad, match, kinds)
+    _write_outputs(rep, json_path, html_path, csv_path, None)
+
+
+def _register_optional_commands() -> None:
+    try:
+        from .bisect.cli import bisect_command
+    except ImportError:
+        return
+    main.add_command(bisect_command, "bisect")
+
+
+_register_optional_commands()

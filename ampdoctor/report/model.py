@@ -1,0 +1,294 @@
+"""The report's data: per-layer aggregates and the diagnosis, computed from a trace only."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..formats import Format, get_format
+from ..oracle import Oracle, OracleConfig
+from ..trace import TraceReader, find_traces
+
+KIND_TITLES = {
+    "activation": "Activations (forward outputs)",
+    "gradient": "Activation gradients (as scaled by the GradScaler, if any)",
+    "weight": "Weights (after the optimizer step)",
+    "weight_grad": "Weight gradients (as accumulated, before unscaling)",
+}
+
+
+@dataclass
+class LayerRow:
+    layer: str
+    type: str
+    order: int
+    kind: str
+    dtype: str
+    absmax: float
+    headroom_bits: float
+    numel: int
+    overflow: int
+    subnormal: int
+    flush_to_zero: int
+    nan: int
+    inf: int
+    overflow_pct: float
+    subnormal_pct: float
+    flush_pct: float
+    first_bad_step: int | None
+    calls: int
+    bytes: int
+    steps: int
+    hist: list[int] = field(default_factory=list)
+
+    @property
+    def bad(self) -> bool:
+        return bool(self.nan or self.inf or self.overflow)
+
+    def severity(self) -> tuple:
+        """Sort key, worst first: non-finite, then overflow, then least headroom."""
+        return (-(self.nan + self.inf), -self.overflow, self.headroom_bits if math.isfinite(self.headroom_bits) else
+                (-1e9 if self.headroom_bits < 0 else 1e9), self.order)
+
+
+@dataclass
+class Diagnosis:
+    broke: bool
+    step: int | None
+    reason: str | None
+    first_nonfinite: dict | None
+    lines: list[str]
+    steps_seen: int
+    optimizer_steps: int
+    skipped_steps: int
+    first_loss_nonfinite: int | None
+
+
+@dataclass
+class Report:
+    trace: str
+    format: str
+    meta: dict
+    diagnosis: Diagnosis
+    layers: list[LayerRow]
+    timeline: list[dict]
+    events: list[dict]
+    notes: list[str]
+    bisect: dict | None = None
+    advice: list[str] = field(default_factory=list)
+
+    @property
+    def fmt(self) -> Format:
+        return get_format(self.format)
+
+    def rows(self, kind: str) -> list[LayerRow]:
+        return [r for r in self.layers if r.kind == kind]
+
+    def to_dict(self, *, hist: bool = False) -> dict:
+        layers = []
+        for r in self.layers:
+            d = asdict(r)
+            if not hist:
+                d.pop("hist")
+            layers.append({k: _jsonable(v) for k, v in d.items()})
+        return {
+            "schema": "ampdoctor.report/1",
+            "trace": self.trace,
+            "format": self.format,
+            "format_range": {"max": self.fmt.max, "smallest_normal": self.fmt.smallest_normal,
+                             "smallest_subnormal": self.fmt.smallest_subnormal},
+            "meta": {k: _jsonable(v) for k, v in self.meta.items()},
+            "diagnosis": {k: _jsonable(v) for k, v in asdict(self.diagnosis).items()},
+            "layers": layers,
+            "timeline": [{k: _jsonable(v) for k, v in t.items()} for t in self.timeline],
+            "events": self.events,
+            "notes": self.notes,
+            "bisect": self.bisect,
+            "advice": self.advice,
+        }
+
+    def to_json(self, path: str | Path | None = None, **kw: Any) -> str:
+        text = json.dumps(self.to_dict(**kw), indent=2, allow_nan=False)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    def to_text(self, **kw: Any) -> str:
+        from .text import render_text
+        return render_text(self, **kw)
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None if math.isnan(v) else ("inf" if v > 0 else "-inf")
+    if isinstance(v, (np.integer,)):
+        return int(v)
+    if isinstance(v, (np.floating,)):
+        return _jsonable(float(v))
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    return v
+
+
+def _aggregate(reader: TraceReader, fmt: Format, layers: dict[int, dict]) -> list[LayerRow]:
+    acc: dict[tuple[int, str], dict] = {}
+    for s in reader.stats(with_hist=True):
+        key = (s["layer"], s["kind"])
+        a = acc.get(key)
+        if a is None:
+            a = acc[key] = {"absmax": 0.0, "numel": 0, "overflow": 0, "subnormal": 0, "ftz": 0, "nan": 0, "inf": 0,
+                            "first_bad": None, "calls": 0, "dtypes": {}, "bytes": {}, "steps": set(),
+                            "hist": np.zeros(fmt.n_bins, dtype=np.int64)}
+        a["absmax"] = max(a["absmax"], s["absmax"] or 0.0)
+        a["numel"] += s["numel"]
+        a["overflow"] += s["overflow"]
+        a["subnormal"] += s["subnormal"]
+        a["ftz"] += s["flush_to_zero"]
+        a["nan"] += s["nan"]
+        a["inf"] += s["posinf"] + s["neginf"]
+        if (s["nan"] or s["posinf"] or s["neginf"] or s["overflow"]) and a["first_bad"] is None:
+            a["first_bad"] = s["step"]
+        a["calls"] = max(a["calls"], s["call"] + 1)
+        a["dtypes"][s["dtype"]] = a["dtypes"].get(s["dtype"], 0) + 1
+        a["bytes"][s["step"]] = a["bytes"].get(s["step"], 0) + s["bytes"]
+        a["steps"].add(s["step"])
+        if len(s["hist"]) == fmt.n_bins:
+            a["hist"] += s["hist"]
+    rows = []
+    for (lid, kind), a in acc.items():
+        info = layers.get(lid, {"name": f"#{lid}", "type": "?", "ord": None})
+        n = max(a["numel"], 1)
+        head = fmt.headroom_bits(a["absmax"]) if not a["inf"] else -math.inf
+        dtype = max(a["dtypes"].items(), key=lambda kv: kv[1])[0]
+        nbytes = int(round(sum(a["bytes"].values()) / max(len(a["bytes"]), 1)))
+        order = info["ord"] if info["ord"] is not None else 10**9 + lid
+        rows.append(LayerRow(
+            layer=info["name"] or "(root)", type=info["type"], order=order, kind=kind, dtype=dtype,
+            absmax=a["absmax"], headroom_bits=head, numel=a["numel"], overflow=a["overflow"],
+            subnormal=a["subnormal"], flush_to_zero=a["ftz"], nan=a["nan"], inf=a["inf"],
+            overflow_pct=100.0 * a["overflow"] / n, subnormal_pct=100.0 * a["subnormal"] / n,
+            flush_pct=100.0 * a["ftz"] / n, first_bad_step=a["first_bad"], calls=a["calls"], bytes=nbytes,
+            steps=len(a["steps"]), hist=a["hist"].tolist()))
+    rows.sort(key=lambda r: (r.order, r.kind))
+    return rows
+
+
+def _diagnose(timeline: list[dict], events: list[dict], meta: dict) -> Diagnosis:
+    oracle = Oracle(OracleConfig())
+    decision = None
+    for t in timeline:
+        skipped = None if t["skipped"] is None else bool(t["skipped"])
+        decision = oracle.observe(t["step"], t["loss"], t["scale"], skipped, None)
+        if decision is not None:
+            break
+    if decision is None and timeline:
+        d = oracle.finish()
+        decision = d if d.outcome == "fail" else None
+    first_loss_bad = next((t["step"] for t in timeline if t["loss"] is not None and not math.isfinite(t["loss"])), None)
+    param_events = [e for e in events if e["kind"] == "first_nonfinite" and e["detail"].get("kind") == "weight"]
+    if decision is None and param_events:
+        from types import SimpleNamespace
+        decision = SimpleNamespace(outcome="fail", step=param_events[0]["step"], reason="nonfinite_params")
+    fn = _pick_first_nonfinite(events, decision)
+    skipped = sum(1 for t in timeline if t["skipped"])
+    lines = []
+    status = meta.get("status", "?")
+    if not timeline:
+        lines.append("No training step was seen: no optimizer.step() / GradScaler.update() ran while watching. "
+                     "Did the script train, and was watch() called before the training loop?")
+    elif decision is not None:
+        how = {
+            "nonfinite_loss": "the loss became non-finite (NaN/Inf)",
+            "nonfinite_params": "parameters became non-finite",
+            "scale_collapse": "the GradScaler's scale collapsed (gradients overflow at every scale)",
+            "skipped_steps": "the GradScaler skipped most steps (persistent gradient overflow)",
+            "divergence": "the loss diverged",
+        }.get(decision.reason, decision.reason)
+        lines.append(f"Training broke at step {decision.step}: {how}.")
+    else:
+        lines.append(f"Training did not break in the {len(timeline)} steps seen.")
+    if fn is not None:
+        what = {"activation": "forward output", "gradient": "gradient", "weight_grad": "weight gradient",
+                "weight": "weights"}.get(fn["kind"], fn["kind"])
+        if fn.get("input_nonfinite"):
+            lines.append(f"First non-finite value: step {fn['step']}, the input of {fn['layer'] or '(root)'} was already "
+                         "non-finite (the data, or code outside the watched model).")
+        elif fn.get("from_loss"):
+            lines.append(f"First non-finite value: step {fn['step']}, the gradient reaching {fn['layer'] or '(root)'} "
+                         "from the loss" + (" (scaled by the GradScaler)." if fn.get("scaled") else "."))
+        else:
+            lines.append(f"First non-finite value: step {fn['step']}, {what} of {fn['layer'] or '(root)'} "
+                         "(it produced NaN/Inf from finite inputs; later layers only propagate it).")
+    if skipped:
+        lines.append(f"GradScaler skipped {skipped} of {len(timeline)} steps.")
+    if status == "crashed":
+        lines.append(f"The script raised: {meta.get('error', '?')}")
+    elif status == "running":
+        lines.append("The run did not finish (killed?): this shows every step committed before it stopped.")
+    return Diagnosis(
+        broke=decision is not None, step=None if decision is None else decision.step,
+        reason=None if decision is None else decision.reason, first_nonfinite=fn, lines=lines,
+        steps_seen=len(timeline), optimizer_steps=int(meta.get("optimizer_steps") or 0), skipped_steps=skipped,
+        first_loss_nonfinite=first_loss_bad)
+
+
+def _pick_first_nonfinite(events: list[dict], decision: Any) -> dict | None:
+    firsts = [e for e in events if e["kind"] == "first_nonfinite"]
+    fwd = [e for e in firsts if e["detail"].get("kind") == "activation"]
+    unscaled = [e for e in firsts if e["detail"].get("kind") != "activation" and not e["detail"].get("scaled")]
+    grads = [e for e in events if e["kind"] == "grad_nonfinite"]
+    pick = None
+    if fwd:
+        pick = fwd[0]
+    elif unscaled:
+        pick = unscaled[0]
+    elif grads and decision is not None and decision.reason in ("skipped_steps", "scale_collapse"):
+        at = [e for e in grads if decision.step is None or e["step"] >= decision.step]
+        pick = at[0] if at else grads[-1]
+    elif firsts:
+        pick = firsts[0]
+    if pick is None:
+        return None
+    d = dict(pick["detail"])
+    d.update(layer=pick["layer"], step=pick["step"], kind=d.get("kind"))
+    return d
+
+
+def build_report(path: str | Path, *, rank: int = 0) -> Report:
+    """Read a trace file (or a run folder's rank-``rank`` trace) into a :class:`Report`."""
+    files = find_traces(path)
+    trace = files[min(rank, len(files) - 1)]
+    with TraceReader(trace) as reader:
+        meta = reader.meta()
+        fmt = get_format(meta.get("format", "fp16"))
+        layers = {row["id"]: row for row in reader.layers()}
+        rows = _aggregate(reader, fmt, layers)
+        timeline = reader.steps()
+        events = reader.events()
+    notes = [e["detail"].get("message", "") if e["layer"] is None else f"{e['layer']}: {e['detail'].get('message', '')}"
+             for e in events if e["kind"] == "note"]
+    diagnosis = _diagnose(timeline, events, meta)
+    report = Report(trace=str(trace), format=fmt.name, meta=meta, diagnosis=diagnosis, layers=rows,
+                    timeline=timeline, events=[e for e in events if e["kind"] != "grad_nonfinite"][:200], notes=notes)
+    bisect_json = Path(path) / "bisect.json" if Path(path).is_dir() else None
+    if bisect_json is not None and bisect_json.exists():
+        try:
+            report.bisect = json.loads(bisect_json.read_text())
+        except ValueError:
+            report.notes.append(f"{bisect_json} is not valid JSON; bisect result not shown")
+    try:
+        from .advice import advise
+        report.advice = advise(report)
+    except ImportError:
+        pass
+    return report

@@ -1,0 +1,97 @@
+"""The terminal report: the diagnosis, then one table per kind, in execution order or worst first."""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Sequence
+
+from rich.console import Console
+from rich.table import Table
+
+from .model import KIND_TITLES, LayerRow, Report
+
+DEFAULT_KINDS = ("activation", "gradient")
+
+
+def _num(v: float) -> str:
+    if v == 0:
+        return "0"
+    if not math.isfinite(v):
+        return "inf" if v > 0 else "-inf"
+    return f"{v:.3g}" if 1e-3 <= abs(v) < 1e5 else f"{v:.2e}"
+
+
+def _pct(v: float) -> str:
+    if v == 0:
+        return "-"
+    return f"{v:.3g}%" if v >= 0.001 else "<0.001%"
+
+
+def _bits(v: float) -> str:
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return f"{v:+.1f}"
+
+
+def select_rows(report: Report, kind: str, *, sort: str = "order", top: int | None = None,
+                only_bad: bool = False, match: str | None = None) -> list[LayerRow]:
+    rows = report.rows(kind)
+    if match:
+        rows = [r for r in rows if match in r.layer or match in r.type]
+    if only_bad:
+        rows = [r for r in rows if r.bad or r.subnormal or r.flush_to_zero]
+    if sort == "worst":
+        rows = sorted(rows, key=LayerRow.severity)
+    elif sort != "order":
+        raise ValueError(f"sort must be 'order' or 'worst', got {sort!r}")
+    return rows[:top] if top else rows
+
+
+def render_text(report: Report, *, kinds: Sequence[str] = DEFAULT_KINDS, sort: str = "order", top: int | None = None,
+                only_bad: bool = False, match: str | None = None, width: int = 120) -> str:
+    buf = io.StringIO()
+    con = Console(file=buf, width=width, force_terminal=False, color_system=None, highlight=False, emoji=False)
+    fmt = report.fmt
+    d = report.diagnosis
+    con.print(f"ampdoctor report  trace={report.trace}")
+    con.print(f"format {fmt.name}: max {fmt.max:.6g}, smallest normal {fmt.smallest_normal:.3g}, "
+              f"smallest subnormal {fmt.smallest_subnormal:.3g}; {d.steps_seen} steps, "
+              f"{d.optimizer_steps} optimizer steps")
+    con.print("")
+    con.print("Diagnosis")
+    for line in d.lines:
+        con.print(f"  - {line}")
+    if report.bisect:
+        b = report.bisect
+        con.print(f"  - bisect verdict: {b.get('verdict')}; culprits: {', '.join(b.get('culprits') or []) or '-'}")
+    for kind in kinds:
+        rows = select_rows(report, kind, sort=sort, top=top, only_bad=only_bad, match=match)
+        if not rows:
+            continue
+        con.print("")
+        table = Table(title=KIND_TITLES.get(kind, kind), title_justify="left", box=None, pad_edge=False,
+                      show_edge=False, header_style="bold")
+        for col, just in (("layer", "left"), ("type", "left"), ("dtype", "left"), ("abs-max", "right"),
+                          ("headroom", "right"), ("overflow", "right"), ("subnormal", "right"), ("flush", "right"),
+                          ("NaN", "right"), ("Inf", "right"), ("first bad", "right")):
+            table.add_column(col, justify=just, no_wrap=(col != "layer"))
+        for r in rows:
+            calls = f" x{r.calls}" if r.calls > 1 else ""
+            table.add_row(r.layer + calls, r.type, r.dtype, _num(r.absmax), _bits(r.headroom_bits), _pct(r.overflow_pct),
+                          _pct(r.subnormal_pct), _pct(r.flush_pct), str(r.nan) if r.nan else "-",
+                          str(r.inf) if r.inf else "-", "-" if r.first_bad_step is None else str(r.first_bad_step))
+        con.print(table)
+    if report.advice:
+        con.print("")
+        con.print("Advice")
+        for a in report.advice:
+            con.print(f"  - {a}")
+    if report.notes:
+        con.print("")
+        con.print("Notes")
+        for n in report.notes[:20]:
+            con.print(f"  - {n}")
+        if len(report.notes) > 20:
+            con.print(f"  - ... {len(report.notes) - 20} more in the JSON report")
+    return buf.getvalue()

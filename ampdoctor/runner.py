@@ -1,0 +1,114 @@
+"""Running a user's script in this process, under a session, as pdb and memray do:
+``sys.argv`` rewritten, the script's folder first on ``sys.path``, ``runpy.run_path`` as
+``__main__``, everything restored afterwards."""
+
+from __future__ import annotations
+
+import logging
+import os
+import runpy
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from .config import RunConfig
+from .session import Session, StopRun, _set_current
+
+log = logging.getLogger(__name__)
+
+# exit statuses of `ampdoctor run` besides the script's own
+EXIT_NEVER_TRAINED = 3
+
+
+class ScriptNotFound(FileNotFoundError):
+    pass
+
+
+@dataclass
+class ScriptResult:
+    status: str               # finished | stopped | crashed | exited | interrupted
+    exit_code: int
+    trace: str
+    steps: int
+    optimizer_steps: int
+    error: str | None = None  # "ExcType: message" when the script raised
+    traceback: str | None = None
+    stop_reason: str | None = None
+    decision: Any = None
+
+    @property
+    def trained(self) -> bool:
+        return self.steps > 0 or self.optimizer_steps > 0
+
+
+def _user_traceback(exc: BaseException, script: Path) -> str:
+    """The traceback from the script's first frame on (our runner's frames dropped)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    start = 0
+    for i, fr in enumerate(frames):
+        if Path(fr.filename).resolve() == script:
+            start = i
+            break
+    lines = ["Traceback (most recent call last):\n"] + traceback.format_list(frames[start:])
+    lines += traceback.format_exception_only(type(exc), exc)
+    return "".join(lines)
+
+
+def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig) -> ScriptResult:
+    """Run ``script`` with ``args`` under a session configured by ``config``. Never raises for the
+    script's own failures: they come back in the result, with everything recorded kept."""
+    path = Path(script)
+    if not path.is_file():
+        raise ScriptNotFound(f"script not found: {script} (give the path of a Python training script)")
+    path = path.resolve()
+    saved_env = os.environ.get("AMPDOCTOR_CONFIG")
+    os.environ["AMPDOCTOR_CONFIG"] = config.to_env()  # child processes (DataLoader workers, torchrun) see it
+    session = Session(config, owned=True)
+    _set_current(session)
+    auto = None
+    if config.auto_watch:
+        from .autowatch import AutoWatch
+        auto = AutoWatch(session)
+    saved_argv, saved_path = sys.argv[:], sys.path[:]
+    saved_main = sys.modules.get("__main__")
+    sys.argv = [str(path), *args]
+    sys.path.insert(0, str(path.parent))
+    status, code, err, tb, stop_reason, decision = "finished", 0, None, None, None, None
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except StopRun as e:
+        status, stop_reason, decision = "stopped", e.reason, e.decision
+    except SystemExit as e:
+        if e.code is None or e.code == 0:
+            status, code = "finished", 0
+        elif isinstance(e.code, int):
+            status, code = "exited", e.code
+        else:
+            status, code, err = "exited", 1, str(e.code)
+    except KeyboardInterrupt:
+        status, code, err = "interrupted", 130, "KeyboardInterrupt"
+    except BaseException as e:  # the user's script failed: keep its cause, not ours
+        status, code = "crashed", 1
+        err = f"{type(e).__name__}: {e}"
+        tb = _user_traceback(e, path)
+    finally:
+        sys.argv[:] = saved_argv
+        sys.path[:] = saved_path
+        if saved_main is not None:
+            sys.modules["__main__"] = saved_main
+        if auto is not None:
+            auto.remove()
+        steps, opt_steps = session.step, session.optimizer_steps
+        extra = {"error": err} if err else {}
+        if stop_reason:
+            extra["stop_reason"] = stop_reason
+        session.close(status={"finished": "finished", "stopped": "finished"}.get(status, status), exit_code=code, **extra)
+        steps = max(steps, session.step)
+        if saved_env is None:
+            os.environ.pop("AMPDOCTOR_CONFIG", None)
+        else:
+            os.environ["AMPDOCTOR_CONFIG"] = saved_env
+    return ScriptResult(status=status, exit_code=code, trace=str(session.trace_path), steps=steps,
+                        optimizer_steps=opt_steps, error=err, traceback=tb, stop_reason=stop_reason, decision=decision)

@@ -1,0 +1,501 @@
+"""The recording session of one process: step boundaries, the device buffers of statistics,
+the single host read per recorded step, first-non-finite attribution and the trace writer.
+
+Every :class:`~ampdoctor.watch.Watch` in a process feeds one session. Hooks only append device
+tensors here; :meth:`Session.end_step` reads them all with one host transfer.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import stats as _stats
+from .config import RunConfig
+from .formats import Format, get_format
+from .steps import StepTracker
+from .trace import TraceWriter, hist_blob
+
+log = logging.getLogger(__name__)
+
+KINDS = ("activation", "gradient", "weight", "weight_grad")
+DETAIL_AFTER_ANOMALY = 3
+MAX_GRAD_EVENTS = 1000  # per-step producers of non-finite gradients kept while a GradScaler runs  # with every=N, record this many steps in full after a non-finite loss
+
+
+class StopRun(BaseException):
+    """Raised from a step boundary to end the user's script early (max steps, or a trial that is
+    decided). A BaseException so that the script's ``except Exception`` does not swallow it."""
+
+    def __init__(self, reason: str, decision: Any = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.decision = decision
+
+
+@dataclass
+class _Layer:
+    id: int
+    name: str
+    type: str
+    is_leaf: bool
+    parent: int | None
+    ord: int | None = None
+    notes: set = field(default_factory=set)
+
+
+def _rank() -> int:
+    for var in ("RANK", "LOCAL_RANK"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var])
+    return 0
+
+
+class Session:
+    """One per process. Created by the first ``watch()`` (or by the CLI runner)."""
+
+    def __init__(self, config: RunConfig | None = None, *, owned: bool = False):
+        self.config = config or RunConfig()
+        self.fmt: Format = get_format(self.config.format)
+        if self.config.every < 1:
+            raise ValueError(f"every must be >= 1, got {self.config.every}")
+        self.owned = owned  # owned by the CLI runner: stays open when the last watch goes
+        self.rank = _rank()
+        self.trace_path = self._trace_path()
+        self.writer = TraceWriter(self.trace_path)
+        self.writer.set_meta(
+            format=self.fmt.name, every=self.config.every, started=time.time(), status="running",
+            argv=list(sys.argv), torch=torch.__version__, rank=self.rank, pid=os.getpid(),
+            force_fp32=list(self.config.force_fp32), python=sys.version.split()[0],
+        )
+        self.writer.commit()
+        self.tracker = StepTracker(self)
+        self.watches: list[Any] = []
+        self.layers: list[_Layer] = []
+        self._layer_by_name: dict[str, _Layer] = {}
+        self._exec_counter = 0
+        self.step = 0
+        self.optimizer_steps = 0
+        self.closed = False
+        self._oracle = None
+        if self.config.oracle is not None:
+            from .oracle import Oracle, OracleConfig
+            self._oracle = Oracle(OracleConfig.from_dict(self.config.oracle))
+        self.decision: Any = None
+        self._detail_left = 0
+        self._first_found: dict[str, bool] = {"forward": False, "backward": False, "weight": False}
+        self.first_nonfinite: dict | None = None
+        self._pending_scalars: list[tuple[int, dict]] = []
+        self._scaled_loss_active = False  # a GradScaler was seen: skipped steps are its business
+        self._grad_events = 0
+        self._reset_step()
+
+    # -- set-up ----------------------------------------------------------------------------
+    def _trace_path(self) -> Path:
+        if self.config.trace:
+            p = Path(self.config.trace)
+        else:
+            p = Path(tempfile.mkdtemp(prefix="ampdoctor-")) / "trace.sqlite"
+        if self.rank:
+            p = p.with_name(f"{p.stem}.rank{self.rank}{p.suffix}")
+        return p
+
+    def attach(self, watch: Any) -> None:
+        self.watches.append(watch)
+        self.tracker.install()
+
+    def detach(self, watch: Any) -> None:
+        if watch in self.watches:
+            self.watches.remove(watch)
+        if not self.watches and not self.owned:
+            self.close()
+
+    def new_layer(self, name: str, type_: str, is_leaf: bool, parent: int | None) -> int:
+        if name in self._layer_by_name:
+            return self._layer_by_name[name].id
+        layer = _Layer(len(self.layers), name, type_, is_leaf, parent)
+        self.layers.append(layer)
+        self._layer_by_name[name] = layer
+        self.writer.add_layers([(layer.id, name, type_, None, int(is_leaf), parent)])
+        return layer.id
+
+    def note_layer(self, lid: int, message: str) -> None:
+        """A once-per-layer remark (e.g. "no floating output"): logged and stored as an event."""
+        layer = self.layers[lid]
+        if message in layer.notes:
+            return
+        layer.notes.add(message)
+        log.info("ampdoctor: %s: %s", layer.name, message)
+        self.writer.add_event(self.step, "note", layer.name, message=message)
+
+    def note(self, message: str, **detail: Any) -> None:
+        log.warning("ampdoctor: %s", message)
+        self.writer.add_event(self.step, "note", None, message=message, **detail)
+
+    # -- per-step state --------------------------------------------------------------------
+    def _reset_step(self) -> None:
+        every = self.config.every
+        self.recording = (self.step % every == 0) or self._detail_left > 0
+        if self._detail_left > 0:
+            self._detail_left -= 1
+        self.attributing = self.recording and not (
+            self._first_found["forward"] and self._first_found["backward"] and not self._scaled_loss_active)
+        self._rows: list[torch.Tensor] = []
+        self._row_meta: list[tuple] = []
+        self._flags: list[torch.Tensor] = []
+        self._flag_meta: list[tuple] = []
+        self._calls: dict[int, int] = {}
+        self._losses: list[torch.Tensor] = []
+        self._scaled_loss_seen = False
+        self._scaler: Any = None
+        self._scale_after: torch.Tensor | None = None
+        self._skipped: torch.Tensor | None = None
+        self._active = False
+
+    def next_call(self, lid: int) -> int:
+        self._active = True
+        layer = self.layers[lid]
+        if layer.ord is None:
+            layer.ord = self._exec_counter
+            self._exec_counter += 1
+            self.writer.add_layers([(lid, layer.name, layer.type, layer.ord, int(layer.is_leaf), layer.parent)])
+        c = self._calls.get(lid, 0)
+        self._calls[lid] = c + 1
+        return c
+
+    def add_stats(self, lid: int, kind: str, slot: str, call: int, t: torch.Tensor) -> None:
+        """Statistics of ``t`` into the device buffer (no host sync)."""
+        if self.closed:
+            return
+        try:
+            row = _stats.batch_stats([t], self.fmt)[0]
+        except Exception as e:  # never break the user's training because of a statistic
+            self.note_layer(lid, f"could not record {kind} {slot}: {type(e).__name__}: {e}")
+            return
+        self._rows.append(row)
+        self._row_meta.append((lid, kind, slot, call, str(t.dtype).replace("torch.", ""), t.numel(),
+                               t.numel() * t.element_size()))
+
+    def add_flag(self, lid: int, call: int, phase: str, flag: torch.Tensor) -> None:
+        """A device bool: did this module's inputs/outputs/gradients hold NaN/Inf (no sync)."""
+        if self.closed:
+            return
+        self._flags.append(flag.reshape(()))
+        self._flag_meta.append((lid, call, phase))
+
+    # -- what the step tracker reports -----------------------------------------------------
+    def on_backward(self, tensors: Any) -> None:
+        self._active = True
+        if self._scaled_loss_seen:
+            return
+        t = tensors[0] if isinstance(tensors, (tuple, list)) and len(tensors) == 1 else tensors
+        if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point():
+            self._losses.append(t.detach().reshape(()).to(torch.float64))
+
+    def on_scaled_loss(self, scaler: Any, loss: torch.Tensor) -> None:
+        self._active = True
+        if loss.numel() == 1 and loss.is_floating_point():
+            if not self._scaled_loss_seen:
+                self._losses.clear()  # a backward before scale() was not the training loss
+            self._scaled_loss_seen = True
+            self._scaled_loss_active = True
+            self._losses.append(loss.detach().reshape(()).to(torch.float64))
+        self._scaler = scaler
+
+    def on_scaler_update(self, scaler: Any, before: torch.Tensor | None, after: torch.Tensor | None) -> None:
+        self._scaler = scaler
+        if after is not None:
+            self._scale_after = after.detach().reshape(()).to(torch.float64).clone()
+            if before is not None:
+                self._skipped = (after.reshape(()) < before.reshape(())).to(torch.float64)
+        self.end_step()
+
+    def on_optimizer_step(self, optimizer: Any) -> None:
+        self.optimizer_steps += 1
+        if self._scaler is not None or self._scaled_loss_seen:
+            return  # with a GradScaler the step ends at update()
+        if not self._active:
+            return  # a second optimizer of the same iteration (GANs): same step
+        self.end_step()
+
+    # -- the step boundary -----------------------------------------------------------------
+    def end_step(self) -> None:
+        """Read this step's device buffers (one host transfer when recording) and write them.
+        Raises :class:`StopRun` when the run is decided or its step budget is spent; any other
+        failure of ours is logged and never breaks the user's training."""
+        if self.closed:
+            return
+        try:
+            self._end_step()
+        except StopRun:
+            raise
+        except Exception as e:
+            log.warning("ampdoctor: recording step %d failed: %s: %s", self.step, type(e).__name__, e, exc_info=True)
+            self.writer.add_event(self.step, "note", None, message=f"internal error while recording: {type(e).__name__}: {e}")
+            self.step += 1
+            self._reset_step()
+
+    def _end_step(self) -> None:
+        for w in list(self.watches):
+            if self.recording:
+                w.record_weights()
+        step = self.step
+        scalars = {
+            "loss": torch.stack(self._losses).mean() if self._losses else None,
+            "scale": self._scale_after,
+            "skipped": self._skipped,
+            "optimizer_steps": self.optimizer_steps,
+            "wall": time.time(),
+        }
+        self._pending_scalars.append((step, scalars))
+        rows, row_meta, flags, flag_meta = self._rows, self._row_meta, self._flags, self._flag_meta
+        recorded = self.recording
+        self.step += 1
+        self._reset_step()
+        decision = None
+        if recorded or len(self._pending_scalars) >= self.config.every:
+            decision = self._flush(rows, row_meta, flags, flag_meta, recorded)
+        self.writer.commit()
+        if decision is not None:
+            raise StopRun(decision.reason or decision.outcome, decision)
+        if self.config.max_steps is not None and self.step >= self.config.max_steps:
+            self.writer.add_event(self.step - 1, "stop", None, reason="max_steps", max_steps=self.config.max_steps)
+            self.writer.commit()
+            raise StopRun("max_steps")
+
+    def _flush(self, rows: list, row_meta: list, flags: list, flag_meta: list, recorded: bool) -> Any:
+        host_rows, host_flags, host_scalars = self._to_host(rows, flags)
+        decision = None
+        step = self._pending_scalars[-1][0]
+        if recorded and row_meta:
+            out = []
+            n = _stats.N_FIELDS
+            for meta, r in zip(row_meta, host_rows):
+                lid, kind, slot, call, dtype, numel, nbytes = meta
+                out.append((step, lid, kind, slot, call, dtype, numel, nbytes, int(r[1]), int(r[2]), int(r[3]),
+                            int(r[4]), _f(r[5]), _f(r[6]), _f(r[7]), _f(r[8]), int(r[9]), int(r[10]), int(r[11]),
+                            hist_blob(r[n:])))
+            self.writer.add_stats(out)
+        if recorded:
+            self._attribute(step, row_meta, host_rows, flag_meta, host_flags)
+        for (s, sc), vals in zip(self._pending_scalars, host_scalars):
+            loss, scale, skipped = vals
+            rec = int(s == step and recorded)
+            self.writer.add_step((s, loss, scale, None if skipped is None else int(skipped), sc["optimizer_steps"], rec, sc["wall"]))
+            if loss is not None and not math.isfinite(loss) and self._detail_left == 0 and self.config.every > 1:
+                self._detail_left = DETAIL_AFTER_ANOMALY
+                self.recording = True
+            if self._oracle is not None and decision is None:
+                params_finite = None
+                if s == step and recorded:
+                    params_finite = not any(m[1] == "weight" and (r[1] or r[2] or r[3]) for m, r in zip(row_meta, host_rows))
+                decision = self._oracle.observe(s, loss, scale, None if skipped is None else bool(skipped), params_finite)
+                if decision is None and self.config.pass_after is not None and s + 1 >= self.config.pass_after:
+                    decision = self._oracle.finish()
+                if decision is not None:
+                    self.decision = decision
+                    self.writer.add_event(decision.step if decision.step is not None else s, "decision", None,
+                                          outcome=decision.outcome, reason=decision.reason)
+        self._pending_scalars.clear()
+        return decision
+
+    def _to_host(self, rows: list, flags: list) -> tuple[np.ndarray, np.ndarray, list]:
+        """Everything the step produced in one transfer per device (the only host sync)."""
+        width = _stats.row_width(self.fmt)
+        pieces: dict[torch.device, list[torch.Tensor]] = {}
+        layout: list[tuple[str, Any, int]] = []  # (what, device, length)
+
+        def put(what: str, t: torch.Tensor) -> None:
+            t = t.reshape(-1).to(torch.float64)
+            pieces.setdefault(t.device, []).append(t)
+            layout.append((what, t.device, t.numel()))
+
+        for r in rows:
+            put("row", r)
+        for f in flags:
+            put("flag", f)
+        for _, sc in self._pending_scalars:
+            for key in ("loss", "scale", "skipped"):
+                if sc[key] is not None:
+                    put(key, sc[key])
+        host: dict[torch.device, np.ndarray] = {
+            dev: torch.cat(ts).cpu().numpy() for dev, ts in pieces.items()}
+        offsets = {dev: 0 for dev in host}
+
+        def take(dev: Any, n: int) -> np.ndarray:
+            o = offsets[dev]
+            offsets[dev] = o + n
+            return host[dev][o:o + n]
+
+        it = iter(layout)
+        host_rows = np.stack([take(d, n) for _, d, n in (next(it) for _ in rows)]) if rows else np.zeros((0, width))
+        host_flags = np.array([take(d, n)[0] for _, d, n in (next(it) for _ in flags)]) if flags else np.zeros(0)
+        host_scalars = []
+        for _, sc in self._pending_scalars:
+            vals = []
+            for key in ("loss", "scale", "skipped"):
+                if sc[key] is None:
+                    vals.append(None)
+                else:
+                    _, d, n = next(it)
+                    vals.append(float(take(d, n)[0]))
+            host_scalars.append(vals)
+        return host_rows, host_flags, host_scalars
+
+    # -- first non-finite attribution ------------------------------------------------------
+    def _attribute(self, step: int, row_meta: list, host_rows: np.ndarray, flag_meta: list, host_flags: np.ndarray) -> None:
+        by_call: dict[tuple[int, int], dict[str, bool]] = {}
+        order: dict[str, list[tuple[int, int]]] = {"out": [], "gout": []}
+        for (lid, call, phase), v in zip(flag_meta, host_flags):
+            d = by_call.setdefault((lid, call), {})
+            d[phase] = d.get(phase, False) or bool(v)
+            if phase in order and (lid, call) not in order[phase]:
+                order[phase].append((lid, call))
+        wgrad_bad: dict[int, bool] = {}
+        weight_bad: list[int] = []
+        for (lid, kind, *_), r in zip(row_meta, host_rows):
+            bad = bool(r[1] or r[2] or r[3])
+            if kind == "weight_grad":
+                wgrad_bad[lid] = wgrad_bad.get(lid, False) or bad
+            elif kind == "weight" and bad and lid not in weight_bad:
+                weight_bad.append(lid)
+        if not self._first_found["forward"]:
+            prod = [k for k in order["out"] if by_call[k].get("out") and not by_call[k].get("in")]
+            if prod:
+                self._event(step, "activation", self._deepest(prod), len(prod))
+                self._first_found["forward"] = True
+            elif any(by_call[k].get("out") for k in order["out"]):
+                first_in = next(k for k in order["out"] if by_call[k].get("out"))
+                self._event(step, "activation", first_in, 0, input_nonfinite=True)
+                self._first_found["forward"] = True
+        if not self._first_found["backward"] or self._scaled_loss_active:
+            self._attribute_backward(step, by_call, order, wgrad_bad)
+        if weight_bad and not self._first_found["weight"]:
+            self._event(step, "weight", (weight_bad[0], 0), len(weight_bad))
+            self._first_found["weight"] = True
+
+    def _attribute_backward(self, step: int, by_call: dict, order: dict, wgrad_bad: dict) -> None:
+        prod = []
+        for k in order["gout"]:
+            d = by_call[k]
+            if d.get("gout"):
+                continue
+            if d.get("gin"):
+                prod.append((k, "gradient"))
+            elif wgrad_bad.get(k[0]):
+                prod.append((k, "weight_grad"))
+        # layers with weight grads but no output-gradient flag (e.g. not reached by a tensor hook)
+        for lid, bad in wgrad_bad.items():
+            if bad and not any(k[0] == lid for k in by_call if "gout" in by_call[k]) and not any(k[0] == lid for k, _ in prod):
+                prod.append(((lid, 0), "weight_grad"))
+        extra: dict = {}
+        if not prod:
+            bad_out = [k for k in order["gout"] if by_call[k].get("gout")]
+            if not bad_out:
+                return
+            # non-finite gradient arrives at the model's output: made by the loss (or its scale)
+            prod, extra = [(bad_out[0], "gradient")], {"from_loss": True}
+        keys = [k for k, _ in prod]
+        best = self._deepest(keys)
+        kind = dict(prod)[best]
+        scaled = self._scaled_loss_active
+        if not self._first_found["backward"]:
+            self._event(step, kind, best, len(prod), scaled=scaled, **extra)
+            self._first_found["backward"] = True
+        if scaled and self._grad_events < MAX_GRAD_EVENTS:
+            self._grad_events += 1
+            self.writer.add_event(step, "grad_nonfinite", self.layers[best[0]].name, kind=kind, **extra)
+
+    def _deepest(self, keys: list[tuple[int, int]]) -> tuple[int, int]:
+        """The first key whose layer has no descendant among the others (the innermost producer)."""
+        names = [self.layers[k[0]].name for k in keys]
+        for k, name in zip(keys, names):
+            if not any(o != name and (name == "" or o.startswith(name + ".")) for o in names):
+                return k
+        return keys[0]
+
+    def _event(self, step: int, kind: str, key: tuple[int, int], n_producers: int, **extra: Any) -> None:
+        name = self.layers[key[0]].name
+        detail = {"kind": kind, "call": key[1], "producers": n_producers, **extra}
+        self.writer.add_event(step, "first_nonfinite", name, **detail)
+        ev = {"step": step, "layer": name, "kind": kind, **extra}
+        if self.first_nonfinite is None:  # attribution runs forward, backward, weights: in time order
+            self.first_nonfinite = ev
+        log.info("ampdoctor: first non-finite %s at step %d in %s", kind, step, name)
+
+    # -- the end ---------------------------------------------------------------------------
+    def close(self, status: str = "finished", **meta: Any) -> None:
+        """Flush a partial last step (if anything ran since the last boundary), undo every patch,
+        close the trace. Syncs with the device and the writer thread. Idempotent."""
+        if self.closed:
+            return
+        try:
+            if self._active or self._rows:
+                try:
+                    self._partial_step()
+                except StopRun:
+                    pass
+                except Exception as e:  # pragma: no cover - never mask the user's own error
+                    log.warning("ampdoctor: could not flush the last step: %s", e)
+        finally:
+            self.closed = True
+            for w in list(self.watches):
+                w._detach_hooks()
+            self.watches.clear()
+            self.tracker.uninstall()
+            self.writer.set_meta(status=status, ended=time.time(), steps=self.step,
+                                 optimizer_steps=self.optimizer_steps, **meta)
+            self.writer.commit()
+            self.writer.close()
+            if _current() is self:
+                _set_current(None)
+
+    def _partial_step(self) -> None:
+        saved = self.config.max_steps, self._oracle
+        self.config.max_steps, self._oracle = None, None
+        try:
+            self.end_step()
+        finally:
+            self.config.max_steps, self._oracle = saved
+
+
+def _f(v: float) -> float | None:
+    return float(v)
+
+
+_CURRENT: Session | None = None
+
+
+def _current() -> Session | None:
+    return _CURRENT
+
+
+def _set_current(s: Session | None) -> None:
+    global _CURRENT
+    _CURRENT = s
+
+
+def get_session(create: bool = True, **overrides: Any) -> Session | None:
+    """The process's session: the CLI's if one runs, else a new one from the environment's
+    configuration (``AMPDOCTOR_CONFIG``) updated with ``overrides``."""
+    global _CURRENT
+    if _CURRENT is not None and not _CURRENT.closed:
+        return _CURRENT
+    if not create:
+        return None
+    cfg = RunConfig.from_env() or RunConfig()
+    for k, v in overrides.items():
+        if v is not None:
+            setattr(cfg, k, v)
+    _CURRENT = Session(cfg)
+    return _CURRENT

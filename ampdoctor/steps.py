@@ -1,0 +1,108 @@
+"""Step tracking: the loss, the GradScaler's scale and skipped steps, optimizer steps.
+
+While at least one watch is active, three things are patched or hooked, and all are undone by
+:meth:`StepTracker.uninstall` (the process is exactly as before):
+
+* ``torch.autograd.backward`` is wrapped to see the loss (the root of ``loss.backward()``);
+* ``GradScaler.scale`` / ``GradScaler.update`` (``torch.amp`` and the deprecated
+  ``torch.cuda.amp`` class when it defines its own) are wrapped to see the unscaled loss, the
+  scale before and after ``update()`` and so whether the step was skipped;
+* a global optimizer step post-hook counts optimizer steps.
+
+None of the wrappers syncs with the GPU: they keep device tensors for the session to read.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable
+
+import torch
+import torch.optim.optimizer as _optim_mod
+
+log = logging.getLogger(__name__)
+
+
+def _scaler_classes() -> list[type]:
+    classes: list[type] = []
+    for mod, name in ((torch.amp, "GradScaler"), (getattr(torch.cuda, "amp", None), "GradScaler")):
+        cls = getattr(mod, name, None) if mod is not None else None
+        if isinstance(cls, type) and cls not in classes:
+            classes.append(cls)
+    return classes
+
+
+class StepTracker:
+    """Installs the patches and forwards what they see to ``sink`` (the session)."""
+
+    def __init__(self, sink: Any):
+        self._sink = sink
+        self._saved: list[tuple[Any, str, Any, bool]] = []  # (owner, attr, original, was_own)
+        self._opt_handle = None
+        self.installed = False
+
+    def install(self) -> None:
+        if self.installed:
+            return
+        sink = self._sink
+        orig_backward = torch.autograd.backward
+
+        @functools.wraps(orig_backward)
+        def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
+            sink.on_backward(tensors)
+            return orig_backward(tensors, *args, **kwargs)
+
+        self._patch(torch.autograd, "backward", backward)
+        for cls in _scaler_classes():
+            if "scale" in cls.__dict__:
+                self._patch(cls, "scale", self._wrap_scale(cls.__dict__["scale"]))
+            if "update" in cls.__dict__:
+                self._patch(cls, "update", self._wrap_update(cls.__dict__["update"]))
+        self._opt_handle = _optim_mod.register_optimizer_step_post_hook(
+            lambda opt, args, kwargs: sink.on_optimizer_step(opt))
+        self.installed = True
+
+    def uninstall(self) -> None:
+        if not self.installed:
+            return
+        for owner, attr, original, was_own in reversed(self._saved):
+            if was_own:
+                setattr(owner, attr, original)
+            else:
+                delattr(owner, attr)
+        self._saved.clear()
+        if self._opt_handle is not None:
+            self._opt_handle.remove()
+            self._opt_handle = None
+        self.installed = False
+
+    def _patch(self, owner: Any, attr: str, new: Any) -> None:
+        was_own = attr in vars(owner)
+        self._saved.append((owner, attr, vars(owner).get(attr) if was_own else None, was_own))
+        setattr(owner, attr, new)
+
+    def _wrap_scale(self, orig: Callable) -> Callable:
+        sink = self._sink
+
+        @functools.wraps(orig)
+        def scale(scaler: Any, outputs: Any) -> Any:
+            if getattr(scaler, "_enabled", True) and isinstance(outputs, torch.Tensor):
+                sink.on_scaled_loss(scaler, outputs)
+            return orig(scaler, outputs)
+
+        return scale
+
+    def _wrap_update(self, orig: Callable) -> Callable:
+        sink = self._sink
+
+        @functools.wraps(orig)
+        def update(scaler: Any, new_scale: Any = None) -> Any:
+            before = getattr(scaler, "_scale", None)
+            before = before.detach().clone() if isinstance(before, torch.Tensor) else None
+            result = orig(scaler, new_scale)
+            after = getattr(scaler, "_scale", None)
+            sink.on_scaler_update(scaler, before, after if isinstance(after, torch.Tensor) else None)
+            return result
+
+        return update

@@ -1,0 +1,278 @@
+"""The SQLite trace store: a background writer and a reader. No torch, no pickle.
+
+One file per process (rank). The writer batches rows from a queue and commits at every
+step boundary, so a run that dies (exception, OOM kill, SIGKILL) leaves every committed step
+readable. Histograms are stored as little-endian int64 blobs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import queue
+import sqlite3
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+
+STAT_COLUMNS = (
+    "step", "layer", "kind", "slot", "call", "dtype", "numel", "bytes", "nan", "posinf", "neginf",
+    "zero", "min", "max", "absmax", "nzmin", "overflow", "subnormal", "flush_to_zero", "hist",
+)
+STEP_COLUMNS = ("step", "loss", "scale", "skipped", "optimizer_steps", "recorded", "wall")
+# SQLite stores NaN as NULL: a step keeps its loss as text when it is not an ordinary number.
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
+CREATE TABLE IF NOT EXISTS layers (
+    id INTEGER PRIMARY KEY, name TEXT NOT NULL, type TEXT, ord INTEGER,
+    is_leaf INTEGER, parent INTEGER);
+CREATE TABLE IF NOT EXISTS stats (
+    step INTEGER, layer INTEGER, kind TEXT, slot TEXT, call INTEGER, dtype TEXT,
+    numel INTEGER, bytes INTEGER, nan INTEGER, posinf INTEGER, neginf INTEGER, zero INTEGER,
+    min REAL, max REAL, absmax REAL, nzmin REAL, overflow INTEGER, subnormal INTEGER,
+    flush_to_zero INTEGER, hist BLOB);
+CREATE INDEX IF NOT EXISTS stats_layer ON stats(layer, kind);
+CREATE TABLE IF NOT EXISTS steps (
+    step INTEGER PRIMARY KEY, loss,   scale REAL, skipped INTEGER, optimizer_steps INTEGER,
+    recorded INTEGER, wall REAL);
+CREATE TABLE IF NOT EXISTS events (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, step INTEGER, kind TEXT, layer TEXT, detail TEXT);
+"""
+
+_STOP = object()
+
+
+def _connect(path: str | os.PathLike) -> sqlite3.Connection:
+    con = sqlite3.connect(str(path), timeout=30, check_same_thread=False)
+    con.execute("PRAGMA journal_mode=WAL")
+    con.execute("PRAGMA synchronous=NORMAL")
+    return con
+
+
+class TraceWriter:
+    """Appends to a trace from a background thread. All public methods are cheap and never block
+    on disk; :meth:`commit` marks a durable point (one per step), :meth:`close` drains and joins."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        con = _connect(self.path)
+        con.executescript(_SCHEMA)
+        con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
+        con.commit()
+        con.close()
+        self._q: queue.Queue = queue.Queue()
+        self._closed = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="ampdoctor-trace-writer", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)
+
+    # -- producer side ---------------------------------------------------------------------
+    def set_meta(self, **items: Any) -> None:
+        rows = [(k, v if isinstance(v, str) else json.dumps(v)) for k, v in items.items()]
+        self._put("INSERT OR REPLACE INTO meta VALUES (?, ?)", rows)
+
+    def add_layers(self, rows: Iterable[Sequence]) -> None:
+        self._put("INSERT OR REPLACE INTO layers VALUES (?, ?, ?, ?, ?, ?)", list(rows))
+
+    def add_stats(self, rows: Iterable[Sequence]) -> None:
+        marks = ", ".join("?" * len(STAT_COLUMNS))
+        self._put(f"INSERT INTO stats VALUES ({marks})", list(rows))
+
+    def add_step(self, row: Sequence) -> None:
+        row = list(row)
+        if isinstance(row[1], float) and row[1] != row[1]:
+            row[1] = "nan"
+        self._put("INSERT OR REPLACE INTO steps VALUES (?, ?, ?, ?, ?, ?, ?)", [tuple(row)])
+
+    def add_event(self, step: int | None, event: str, layer: str | None = None, **detail: Any) -> None:
+        self._put("INSERT INTO events (step, kind, layer, detail) VALUES (?, ?, ?, ?)",
+                  [(step, event, layer, json.dumps(detail, default=str))])
+
+    def commit(self) -> None:
+        if not self._closed:
+            self._q.put(None)
+
+    def flush(self, timeout: float = 30.0) -> None:
+        """Block until everything queued so far is committed (syncs with the writer thread)."""
+        if self._closed or not self._thread.is_alive():
+            return
+        done = threading.Event()
+        self._q.put(done)
+        done.wait(timeout)
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Drain the queue, commit and stop the thread (idempotent; syncs with the writer)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._q.put(_STOP)
+        self._thread.join(timeout)
+        try:
+            atexit.unregister(self.close)
+        except Exception:  # pragma: no cover - interpreter shutting down
+            pass
+        if self._error is not None:
+            log.warning("ampdoctor trace writer failed: %s", self._error)
+
+    def _put(self, sql: str, rows: list) -> None:
+        if self._closed:
+            log.debug("trace closed; dropped %d rows", len(rows))
+            return
+        if rows:
+            self._q.put((sql, rows))
+
+    # -- consumer thread -------------------------------------------------------------------
+    def _loop(self) -> None:
+        try:
+            con = _connect(self.path)
+        except BaseException as e:  # pragma: no cover
+            self._error = e
+            return
+        pending = 0
+        try:
+            while True:
+                item = self._q.get()
+                if item is _STOP:
+                    break
+                if isinstance(item, threading.Event):
+                    con.commit()
+                    pending = 0
+                    item.set()
+                    continue
+                if item is None:
+                    if pending:
+                        con.commit()
+                        pending = 0
+                    continue
+                sql, rows = item
+                try:
+                    con.executemany(sql, rows)
+                    pending += len(rows)
+                except sqlite3.Error as e:
+                    self._error = e
+                    log.warning("ampdoctor trace: %s", e)
+            con.commit()
+        except BaseException as e:  # pragma: no cover
+            self._error = e
+        finally:
+            try:
+                con.commit()
+                con.close()
+            except Exception:
+                pass
+
+
+def hist_blob(counts: Sequence[float] | np.ndarray) -> bytes:
+    return np.asarray(counts, dtype="<i8").tobytes()
+
+
+def hist_from_blob(blob: bytes | None) -> np.ndarray:
+    if not blob:
+        return np.zeros(0, dtype=np.int64)
+    return np.frombuffer(blob, dtype="<i8").copy()
+
+
+def find_traces(path: str | os.PathLike) -> list[Path]:
+    """Trace files of a run: the file itself, or every ``trace*.sqlite`` in a run folder."""
+    p = Path(path)
+    if p.is_dir():
+        files = sorted(p.glob("trace*.sqlite"))
+        if not files:
+            raise FileNotFoundError(f"no trace*.sqlite in {p}; pass a run folder made by `ampdoctor run` or a .sqlite trace")
+        return files
+    if not p.exists():
+        raise FileNotFoundError(f"{p} does not exist; pass a run folder or a .sqlite trace")
+    return [p]
+
+
+class TraceReader:
+    """Read-only view of one trace file. Every method returns plain Python/numpy data."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        if not self.path.exists():
+            raise FileNotFoundError(f"trace {self.path} does not exist")
+        self._con = sqlite3.connect(str(self.path), timeout=30)
+        self._con.row_factory = sqlite3.Row
+        try:
+            version = self.meta().get("schema_version")
+        except sqlite3.DatabaseError as e:
+            raise ValueError(f"{self.path} is not an ampdoctor trace ({e})") from e
+        if version is None:
+            raise ValueError(f"{self.path} is not an ampdoctor trace (no schema_version)")
+        if int(version) > SCHEMA_VERSION:
+            raise ValueError(f"{self.path} has trace schema {version}; this ampdoctor reads <= {SCHEMA_VERSION}: upgrade ampdoctor")
+
+    def close(self) -> None:
+        self._con.close()
+
+    def __enter__(self) -> TraceReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def meta(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in self._con.execute("SELECT key, value FROM meta"):
+            try:
+                out[k] = json.loads(v)
+            except (TypeError, ValueError):
+                out[k] = v
+        return out
+
+    def layers(self) -> list[dict]:
+        return [dict(r) for r in self._con.execute("SELECT * FROM layers ORDER BY ord, id")]
+
+    def steps(self) -> list[dict]:
+        out = []
+        for r in self._con.execute("SELECT * FROM steps ORDER BY step"):
+            d = dict(r)
+            if isinstance(d["loss"], str):
+                d["loss"] = float(d["loss"])
+            out.append(d)
+        return out
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        sql, args = "SELECT * FROM events", ()
+        if kind:
+            sql, args = sql + " WHERE kind = ?", (kind,)
+        out = []
+        for r in self._con.execute(sql + " ORDER BY id", args):
+            d = dict(r)
+            d["detail"] = json.loads(d["detail"]) if d["detail"] else {}
+            out.append(d)
+        return out
+
+    def stats(self, *, kind: str | None = None, layer: int | None = None, with_hist: bool = False) -> list[dict]:
+        cols = [c for c in STAT_COLUMNS if with_hist or c != "hist"]
+        sql = f"SELECT {', '.join(cols)} FROM stats"
+        where, args = [], []
+        if kind:
+            where.append("kind = ?")
+            args.append(kind)
+        if layer is not None:
+            where.append("layer = ?")
+            args.append(layer)
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        rows = []
+        for r in self._con.execute(sql + " ORDER BY step, rowid", args):
+            d = dict(r)
+            if with_hist:
+                d["hist"] = hist_from_blob(d["hist"])
+            rows.append(d)
+        return rows
+

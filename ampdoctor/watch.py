@@ -1,0 +1,279 @@
+"""``watch(model)``: forward hooks, output-gradient tensor hooks and post-accumulate-grad hooks
+that feed a :class:`~ampdoctor.session.Session`. No hook syncs with the GPU.
+
+Activation gradients come from a tensor hook registered on each output inside the forward hook
+(not ``register_full_backward_hook``: slow, and it breaks in-place ops); weight gradients from
+``register_post_accumulate_grad_hook``; weights are read at the step boundary.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from .session import Session, get_session
+from .tensors import floating, iter_tensors
+
+log = logging.getLogger(__name__)
+
+__all__ = ["watch", "Watch", "unwrap_model"]
+
+_WATCHED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # root module -> Watch
+
+
+def unwrap_model(model: nn.Module) -> tuple[nn.Module, list[str]]:
+    """The module whose names users see: through ``torch.compile`` and DDP/FSDP-style wrappers."""
+    notes = []
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        inner = getattr(model, "_orig_mod", None)
+        if isinstance(inner, nn.Module):
+            notes.append("torch.compile-wrapped model: hooks sit on the original modules; compiled "
+                         "regions may graph-break around them or skip them")
+            model = inner
+            continue
+        inner = getattr(model, "module", None)
+        if isinstance(inner, nn.Module) and type(model).__name__ in (
+                "DistributedDataParallel", "DataParallel", "FullyShardedDataParallel"):
+            notes.append(f"{type(model).__name__}-wrapped model: watching .module")
+            model = inner
+            continue
+    return model, notes
+
+
+def _nonfinite_flag(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    flags = [(~torch.isfinite(t.detach())).any() for t in tensors if t.numel()]
+    if not flags:
+        return None
+    return torch.stack(flags).any() if len(flags) > 1 else flags[0]
+
+
+class Watch:
+    """Handle returned by :func:`watch`. A context manager; :meth:`remove` is idempotent."""
+
+    def __init__(self, model: nn.Module, session: Session, *, all_modules: bool, prefix: str = ""):
+        self.model = model
+        self.session = session
+        self.prefix = prefix
+        self._handles: list[Any] = []
+        self._params: list[tuple[int, str, nn.Parameter]] = []
+        self._removed = False
+        self._fp32 = None
+        self._stack: dict[int, list] = {}
+        root, notes = unwrap_model(model)
+        self.root = root
+        for n in notes:
+            session.note(n)
+        self._attach(root, all_modules)
+        session.attach(self)
+        if session.config.force_fp32:
+            self._force(session.config.force_fp32)
+        _WATCHED[root] = self
+
+    # -- hooks -----------------------------------------------------------------------------
+    def _attach(self, root: nn.Module, all_modules: bool) -> None:
+        s = self.session
+        ids: dict[int, int] = {}
+        seen_params: set[int] = set()
+        for name, mod in root.named_modules():
+            full = self.prefix + name
+            has_own_params = any(True for _ in mod.parameters(recurse=False))
+            is_leaf = not any(True for _ in mod.children())
+            parent_name = name.rpartition(".")[0] if name else None
+            parent = ids.get(id(root.get_submodule(parent_name))) if parent_name is not None else None
+            lid = s.new_layer(full, type(mod).__name__, is_leaf, parent)
+            ids[id(mod)] = lid
+            stats = all_modules or is_leaf or has_own_params
+            self._handles.append(mod.register_forward_pre_hook(self._make_pre(lid)))
+            self._handles.append(mod.register_forward_hook(self._make_post(lid, stats), always_call=False))
+            if stats:
+                for pname, p in mod.named_parameters(recurse=False):
+                    if id(p) in seen_params:
+                        continue  # tied weights: counted once, with their first owner
+                    seen_params.add(id(p))
+                    self._params.append((lid, pname, p))
+                    if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
+                        self._handles.append(p.register_post_accumulate_grad_hook(self._make_wgrad(lid, pname)))
+
+    def _make_pre(self, lid: int):
+        s = self.session
+        stack = []
+
+        def pre(mod: nn.Module, args: Any) -> None:
+            if not s.recording or not s.attributing or self._removed:
+                return
+            ins = [t for _, t in floating(iter_tensors(args))]
+            stack.append(_nonfinite_flag(ins))
+            for t in ins:
+                if t.requires_grad:
+                    t.register_hook(self._make_flag_hook(lid, "gin", stack_call=lambda: s._calls.get(lid, 0)))
+
+        self._stack[lid] = stack  # type: ignore[attr-defined]
+        return pre
+
+    def _make_post(self, lid: int, record_stats: bool):
+        s = self.session
+
+        def post(mod: nn.Module, args: Any, out: Any) -> None:
+            if self._removed or s.closed or not s.recording:
+                return
+            call = s.next_call(lid)
+            outs = floating(iter_tensors(out))
+            stack = self._stack.get(lid)
+            if s.attributing:
+                in_flag = stack.pop() if stack else None
+                if in_flag is not None:
+                    s.add_flag(lid, call, "in", in_flag)
+                out_flag = _nonfinite_flag([t for _, t in outs])
+                if out_flag is not None:
+                    s.add_flag(lid, call, "out", out_flag)
+                for _, t in outs:
+                    if t.requires_grad:
+                        t.register_hook(self._make_flag_hook(lid, "gout", call=call))
+            if not record_stats:
+                return
+            if not outs:
+                if not any(True for _ in iter_tensors(out)) and out is not None and not isinstance(out, torch.Tensor):
+                    s.note_layer(lid, f"output of type {type(out).__name__} holds no tensor: nothing recorded")
+                elif out is not None:
+                    s.note_layer(lid, "no floating-point output: nothing recorded")
+                return
+            for slot, t in outs:
+                s.add_stats(lid, "activation", slot, call, t)
+                if t.requires_grad:
+                    t.register_hook(self._make_grad_hook(lid, slot, call))
+
+        return post
+
+    def _make_grad_hook(self, lid: int, slot: str, call: int):
+        s = self.session
+
+        def hook(grad: torch.Tensor) -> None:
+            if not self._removed and not s.closed and grad is not None:
+                s.add_stats(lid, "gradient", slot, call, grad)
+
+        return hook
+
+    def _make_flag_hook(self, lid: int, phase: str, call: int | None = None, stack_call=None):
+        s = self.session
+        c = call if call is not None else (stack_call() if stack_call else 0)
+
+        def hook(grad: torch.Tensor) -> None:
+            if not self._removed and not s.closed and s.attributing and grad is not None and grad.numel():
+                s.add_flag(lid, c, phase, (~torch.isfinite(grad)).any())
+
+        return hook
+
+    def _make_wgrad(self, lid: int, pname: str):
+        s = self.session
+        calls = [0]
+
+        def hook(p: torch.Tensor) -> None:
+            if self._removed or s.closed or not s.recording or p.grad is None:
+                return
+            s._active = True
+            s.add_stats(lid, "weight_grad", pname, 0, p.grad)
+
+        return hook
+
+    def record_weights(self) -> None:
+        """Weights after the optimizer step (called at the step boundary)."""
+        if self._removed:
+            return
+        for lid, pname, p in self._params:
+            if p.is_floating_point():
+                self.session.add_stats(lid, "weight", pname, 0, p)
+
+    def _force(self, names: list[str]) -> None:
+        from .precision import force_fp32
+        mine = [n[len(self.prefix):] if self.prefix and n.startswith(self.prefix) else n for n in names]
+        known = {n for n, _ in self.root.named_modules()}
+        take = [n for n in mine if n in known]
+        if take:
+            self._fp32 = force_fp32(self.root, take)
+            log.info("ampdoctor: running in FP32: %s", ", ".join(take))
+
+    # -- the handle ------------------------------------------------------------------------
+    def _detach_hooks(self) -> None:
+        if self._removed:
+            return
+        self._removed = True
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if self._fp32 is not None:
+            self._fp32.remove()
+            self._fp32 = None
+        if _WATCHED.get(self.root) is self:
+            del _WATCHED[self.root]
+
+    def remove(self) -> None:
+        """Remove every hook and patch this watch added and, if it was the last watch, flush the
+        session's last step and close its trace (syncs with the device). Safe to call twice."""
+        if self._removed:
+            return
+        self._detach_hooks()
+        self.session.detach(self)
+
+    @property
+    def trace_path(self):
+        return self.session.trace_path
+
+    def report(self, **kwargs: Any):
+        """The per-layer report of what was recorded so far (flushes the trace first)."""
+        from .report import build_report
+        self.session.writer.commit()
+        self.session.writer.flush()
+        return build_report(self.trace_path, **kwargs)
+
+    def __enter__(self) -> Watch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "removed" if self._removed else "active"
+        return f"<ampdoctor.Watch {type(self.root).__name__} {state} trace={self.trace_path}>"
+
+
+def watch(model: nn.Module, *, format: str | None = None, every: int | None = None, trace: str | None = None,
+          all_modules: bool | None = None) -> Watch:
+    """Record per-layer statistics of ``model`` against ``format`` (``"fp16"``, ``"bf16"``,
+    ``"fp8_e4m3fn"``, ``"fp8_e5m2"``) every ``every`` steps, into the SQLite ``trace``.
+
+    Under ``ampdoctor run``/``bisect`` the CLI's configuration wins over these arguments (the
+    trial decides what is forced to FP32, the step budget and the trace path). Calling it on a
+    model that is already watched returns the existing handle. Never syncs with the device.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"ampdoctor.watch expects a torch.nn.Module, got {type(model).__name__}; "
+                        "pass the model you train (the object whose forward you call)")
+    if every is not None and (not isinstance(every, int) or every < 1):
+        raise ValueError(f"every must be a positive int, got {every!r}")
+    if format is not None:
+        from .formats import get_format
+        get_format(format)  # validate before any work
+    root, _ = unwrap_model(model)
+    existing = _WATCHED.get(root)
+    if existing is not None and not existing._removed:
+        log.info("ampdoctor: %s is already watched; returning the existing handle", type(root).__name__)
+        return existing
+    session = get_session(format=format, every=every, trace=trace, all_modules=all_modules)
+    if session is not None and session.owned:
+        pass  # the CLI's configuration wins
+    elif session is not None:
+        for key, value in (("format", format), ("every", every)):
+            if value is not None and getattr(session.config, key) != value:
+                log.warning("ampdoctor: session already uses %s=%r; ignoring %r", key, getattr(session.config, key), value)
+    all_mods = session.config.all_modules if all_modules is None else all_modules
+    return Watch(model, session, all_modules=all_mods)
+
+
+def watched_root(module: nn.Module) -> Watch | None:
+    return _WATCHED.get(module)
