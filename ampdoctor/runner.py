@@ -37,10 +37,7 @@ class ScriptResult:
     traceback: str | None = None
     stop_reason: str | None = None
     decision: Any = None
-
-    @property
-    def trained(self) -> bool:
-        return self.steps > 0 or self.optimizer_steps > 0
+    trained: bool = True      # at least one step boundary (optimizer step / GradScaler update) ran
 
 
 def _user_traceback(exc: BaseException, script: Path) -> str:
@@ -101,6 +98,7 @@ def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig
         if auto is not None:
             auto.remove()
         steps, opt_steps = session.step, session.optimizer_steps
+        trained = steps > 0 or opt_steps > 0
         extra = {"error": err} if err else {}
         if stop_reason:
             extra["stop_reason"] = stop_reason
@@ -111,4 +109,4 @@ def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig
         else:
             os.environ["AMPDOCTOR_CONFIG"] = saved_env
     return ScriptResult(status=status, exit_code=code, trace=str(session.trace_path), steps=steps,
-                        optimizer_steps=opt_steps, error=err, traceback=tb, stop_reason=stop_reason, decision=decision)
+                        optimizer_steps=opt_steps, error=err, traceback=tb, stop_reason=stop_reason, decision=decision, trained=trained)

@@ -65,6 +65,7 @@ class Watch:
         self._removed = False
         self._fp32 = None
         self._stack: dict[int, list] = {}
+        self._param_hooks_were_none: list[tuple[nn.Parameter, bool]] = []
         root, notes = unwrap_model(model)
         self.root = root
         for n in notes:
@@ -98,6 +99,7 @@ class Watch:
                     seen_params.add(id(p))
                     self._params.append((lid, pname, p))
                     if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
+                        self._param_hooks_were_none.append((p, getattr(p, "_post_accumulate_grad_hooks", None) is None))
                         self._handles.append(p.register_post_accumulate_grad_hook(self._make_wgrad(lid, pname)))
 
     def _make_pre(self, lid: int):
@@ -206,6 +208,10 @@ class Watch:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for p, was_none in self._param_hooks_were_none:
+            if was_none and not getattr(p, "_post_accumulate_grad_hooks", None):
+                p._post_accumulate_grad_hooks = None  # exactly as before, not an empty dict
+        self._param_hooks_were_none.clear()
         if self._fp32 is not None:
             self._fp32.remove()
             self._fp32 = None

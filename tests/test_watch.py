@@ -1,0 +1,253 @@
+"""watch(): what it records, that it leaves the process exactly as it was, awkward models."""
+
+import math
+
+import pytest
+import torch
+import torch.optim.optimizer as optim_mod
+from torch import nn
+from torch.nn.modules import module as module_mod
+
+import ampdoctor
+from ampdoctor.trace import TraceReader
+from helpers import Attn, SquareNorm, train
+
+
+def _global_state():
+    gs = [torch.amp.GradScaler.__dict__.get(k) for k in ("scale", "update", "step", "unscale_")]
+    return (torch.autograd.backward, tuple(gs), dict(module_mod._global_forward_hooks),
+            dict(module_mod._global_forward_pre_hooks), dict(optim_mod._global_optimizer_post_hooks))
+
+
+def _module_state(model):
+    out = []
+    for name, m in model.named_modules():
+        out.append((name, dict(m._forward_hooks), dict(m._forward_pre_hooks), dict(m._backward_hooks),
+                    sorted(vars(m).keys())))
+    for name, p in model.named_parameters():
+        out.append((name, p.dtype, getattr(p, "_post_accumulate_grad_hooks", None), p._backward_hooks))
+    return out
+
+
+def _model():
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 1))
+
+
+def test_remove_restores_everything(tmp_path):
+    model = _model()
+    before_g, before_m = _global_state(), _module_state(model)
+    ref = model(torch.ones(2, 8)).detach()
+    w = ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite"))
+    assert _global_state() != before_g  # something was installed
+    train(model, 2)
+    w.remove()
+    w.remove()  # idempotent
+    assert _global_state() == before_g
+    assert _module_state(model) == before_m
+    with torch.no_grad():
+        model2 = _model()
+        model2.load_state_dict(model.state_dict())
+    assert model(torch.ones(2, 8)).dtype == ref.dtype
+
+
+def test_context_manager_and_records_everything(tmp_path):
+    model = _model()
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")) as w:
+        losses = train(model, 3)
+    assert w._removed
+    r = TraceReader(tmp_path / "t.sqlite")
+    steps = r.steps()
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    assert [round(s["loss"], 4) for s in steps] == [round(v, 4) for v in losses]
+    assert all(s["scale"] is not None for s in steps)
+    kinds = {s["kind"] for s in r.stats()}
+    assert kinds == {"activation", "gradient", "weight", "weight_grad"}
+    names = {l["id"]: l["name"] for l in r.layers()}
+    act_layers = {names[s["layer"]] for s in r.stats(kind="activation")}
+    assert act_layers == {"0", "1", "2", "3", "4"}  # leaves only by default
+    lin = [s for s in r.stats(kind="activation") if names[s["layer"]] == "0"]
+    assert lin[0]["dtype"] == "float16" and lin[0]["numel"] == 4 * 16 and lin[0]["bytes"] == 4 * 16 * 2
+    assert r.meta()["status"] == "finished"
+
+
+def test_loss_without_scaler_and_every(tmp_path):
+    model = _model()
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite"), every=2):
+        losses = train(model, 5, scaler=False)
+    r = TraceReader(tmp_path / "t.sqlite")
+    steps = r.steps()
+    assert [round(s["loss"], 4) for s in steps] == [round(v, 4) for v in losses]
+    assert [s["recorded"] for s in steps] == [1, 0, 1, 0, 1]
+    assert {s["step"] for s in r.stats()} == {0, 2, 4}
+    assert all(s["scale"] is None for s in steps)
+
+
+def test_inplace_relu_after_linear_records_pre_relu_values(tmp_path):
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 16)
+    model = nn.Sequential(lin, nn.ReLU(inplace=True))
+    x = torch.randn(4, 8)
+    expected_min = lin(x).min().item()
+    assert expected_min < 0
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")):
+        train(model, 1, make_x=lambda i: x, autocast=False)
+    r = TraceReader(tmp_path / "t.sqlite")
+    rows = r.stats(kind="activation")
+    assert rows[0]["min"] == pytest.approx(expected_min)  # recorded before the in-place ReLU
+    assert rows[1]["min"] == 0.0
+    assert len(r.stats(kind="gradient")) == 2
+
+
+def test_reused_module_records_each_call(tmp_path):
+    class Reuse(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(torch.tanh(self.lin(x)))
+
+    model = Reuse()
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")):
+        train(model, 2)
+    r = TraceReader(tmp_path / "t.sqlite")
+    rows = [s for s in r.stats(kind="activation") if s["step"] == 0]
+    assert sorted(s["call"] for s in rows) == [0, 1]
+    grads = [s for s in r.stats(kind="gradient") if s["step"] == 0]
+    assert sorted(s["call"] for s in grads) == [0, 1]
+
+
+class TupleDictInt(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x)
+        return h, {"logits": self.b(h), "count": 3, "ids": torch.arange(3)}, 7
+
+
+class IntOut(nn.Module):
+    def forward(self, x):
+        return int(x.shape[0])
+
+
+class EmptyOut(nn.Module):
+    def forward(self, x):
+        return x[:0]
+
+
+def test_tuple_dict_int_outputs(tmp_path):
+    model = nn.Sequential()
+    model.add_module("body", TupleDictInt())
+    inner = model.body
+    with ampdoctor.watch(inner, trace=str(tmp_path / "t.sqlite"), all_modules=True):
+        train(inner, 2, loss_fn=lambda out: out[1]["logits"].float().pow(2).mean() + out[0].float().mean())
+    r = TraceReader(tmp_path / "t.sqlite")
+    names = {l["id"]: l["name"] for l in r.layers()}
+    slots = {(names[s["layer"]], s["slot"]) for s in r.stats(kind="activation")}
+    assert ("", "0") in slots and ("", "1.logits") in slots
+    assert not any(s.endswith("ids") or s.endswith("count") for _, s in slots)
+
+
+def test_int_and_empty_outputs_do_not_crash(tmp_path):
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.n = IntOut()
+            self.e = EmptyOut()
+
+        def forward(self, x):
+            y = self.lin(x)
+            return y * self.n(y) + self.e(y).sum()
+
+    model = M()
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")):
+        train(model, 2)
+    r = TraceReader(tmp_path / "t.sqlite")
+    notes = [e for e in r.events("note")]
+    assert any("holds no tensor" in e["detail"]["message"] for e in notes)
+    names = {l["id"]: l["name"] for l in r.layers()}
+    empty = [s for s in r.stats(kind="activation") if names[s["layer"]] == "e"]
+    assert empty and empty[0]["numel"] == 0
+
+
+def test_first_nonfinite_producer_is_the_linear(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    with torch.no_grad():
+        model[2].weight.mul_(40)
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")) as w:
+        train(model, 6, make_x=lambda i: torch.randn(4, 8) * (8 ** i))
+    ev = [e for e in TraceReader(tmp_path / "t.sqlite").events("first_nonfinite") if e["detail"]["kind"] == "activation"]
+    assert ev and ev[0]["layer"] == "2"
+    assert w.session.first_nonfinite is not None
+
+
+def test_first_nonfinite_in_a_container_own_op(tmp_path):
+    """x*x inside a norm with no children, and q@k^T in an attention whose children stay finite."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), SquareNorm(), nn.Linear(16, 1))
+    with ampdoctor.watch(model, trace=str(tmp_path / "n.sqlite")):
+        train(model, 1, make_x=lambda i: torch.full((4, 8), 3000.0), scaler=False)
+    ev = TraceReader(tmp_path / "n.sqlite").events("first_nonfinite")
+    assert ev[0]["layer"] == "1" and ev[0]["detail"]["kind"] == "activation"
+
+    model = nn.Sequential(nn.Linear(8, 16), Attn(16, gain=1.0), nn.Linear(16, 1))
+    with torch.no_grad():
+        model[0].weight.fill_(0.5)
+        model[1].q.weight.copy_(torch.eye(16) * 30)
+        model[1].k.weight.copy_(torch.eye(16) * 30)
+    with ampdoctor.watch(model, trace=str(tmp_path / "a.sqlite")):
+        train(model, 1, make_x=lambda i: torch.ones(1, 3, 8), scaler=False)
+    r = TraceReader(tmp_path / "a.sqlite")
+    ev = [e for e in r.events("first_nonfinite") if e["detail"]["kind"] == "activation"]
+    assert ev[0]["layer"] == "1", ev  # the attention module, not its finite q/k Linear children
+    names = {l["id"]: l["name"] for l in r.layers()}
+    q = [s for s in r.stats(kind="activation") if names[s["layer"]] == "1.q"]
+    assert q and q[0]["nan"] == 0 and q[0]["posinf"] == 0
+
+
+def test_second_watch_returns_same_handle_and_bad_args(tmp_path):
+    model = _model()
+    w = ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite"))
+    try:
+        assert ampdoctor.watch(model) is w
+    finally:
+        w.remove()
+    with pytest.raises(TypeError, match="nn.Module"):
+        ampdoctor.watch(lambda x: x)
+    with pytest.raises(ValueError, match="every"):
+        ampdoctor.watch(model, every=0)
+    with pytest.raises(ValueError, match="unknown format"):
+        ampdoctor.watch(model, format="fp7")
+
+
+def test_wrapped_models_are_unwrapped(tmp_path):
+    class FakeDDP(nn.Module):  # same shape as DistributedDataParallel: .module
+        def __init__(self, m):
+            super().__init__()
+            self.module = m
+
+        def forward(self, x):
+            return self.module(x)
+
+    FakeDDP.__name__ = "DistributedDataParallel"
+    inner = _model()
+    wrapped = FakeDDP(inner)
+    with ampdoctor.watch(wrapped, trace=str(tmp_path / "t.sqlite")):
+        train(wrapped, 1)
+    r = TraceReader(tmp_path / "t.sqlite")
+    assert {l["name"] for l in r.layers()} >= {"0", "2", "4"}
+    assert any("DistributedDataParallel" in e["detail"]["message"] for e in r.events("note"))
+
+
+def test_pure_half_model_records_fp16(tmp_path):
+    model = _model().half()
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")):
+        train(model, 2, scaler=False, autocast=False, make_x=lambda i: torch.randn(4, 8).half())
+    r = TraceReader(tmp_path / "t.sqlite")
+    assert {s["dtype"] for s in r.stats(kind="weight")} == {"float16"}
+    assert all(math.isfinite(s["loss"]) for s in r.steps())
