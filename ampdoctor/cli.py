@@ -163,12 +163,10 @@ def report(path, json_path, html_path, csv_path, rank, sort, top, only_bad, matc
     _write_outputs(rep, json_path, html_path, csv_path, None)
 
 
-def _register_optional_commands() -> None:
-    try:
-        from .bisect.cli import bisect_command
-    except ImportError:
-        return
+def _register_bisect() -> None:
+    from .bisect.cli import bisect_command
+
     main.add_command(bisect_command, "bisect")
 
 
-_register_optional_commands()
+_register_bisect()

@@ -27,6 +27,7 @@ class RunConfig:
     pass_after: int | None = None     # a trial passes once this many steps ran without failing
     auto_watch: bool = True           # watch the model automatically if the script never calls watch()
     probe: list[str] = field(default_factory=list)  # modules to drill into op by op
+    reference_losses: dict[str, float] | None = None  # FP32 control's loss per step (divergence)
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))

@@ -64,6 +64,9 @@ def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig
     os.environ["AMPDOCTOR_CONFIG"] = config.to_env()  # child processes (DataLoader workers, torchrun) see it
     session = Session(config, owned=True)
     _set_current(session)
+    probes: list[Any] = []
+    if config.probe:
+        session.on_attach.append(lambda w: _attach_probe(w, config, probes))
     auto = None
     if config.auto_watch:
         from .autowatch import AutoWatch
@@ -97,6 +100,8 @@ def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig
             sys.modules["__main__"] = saved_main
         if auto is not None:
             auto.remove()
+        for probe in probes:
+            _write_probe(session, probe)
         steps, opt_steps = session.step, session.optimizer_steps
         trained = steps > 0 or opt_steps > 0
         extra = {"error": err} if err else {}
@@ -104,9 +109,46 @@ def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig
             extra["stop_reason"] = stop_reason
         session.close(status={"finished": "finished", "stopped": "finished"}.get(status, status), exit_code=code, **extra)
         steps = max(steps, session.step)
+        decision = decision if decision is not None else session.decision
         if saved_env is None:
             os.environ.pop("AMPDOCTOR_CONFIG", None)
         else:
             os.environ["AMPDOCTOR_CONFIG"] = saved_env
     return ScriptResult(status=status, exit_code=code, trace=str(session.trace_path), steps=steps,
                         optimizer_steps=opt_steps, error=err, traceback=tb, stop_reason=stop_reason, decision=decision, trained=trained)
+
+
+def _attach_probe(watch: Any, config: RunConfig, probes: list) -> None:
+    """Drill-down: an op-level probe inside the named modules of this watch's model."""
+    from .bisect.drill import OpProbe
+
+    names = {n for n, _ in watch.root.named_modules()}
+    mine = [n[len(watch.prefix):] for n in config.probe if n.startswith(watch.prefix) and n[len(watch.prefix):] in names]
+    if not mine:
+        return
+    probe = OpProbe(watch.root, mine, config.format)
+    probe.__enter__()
+    probe.prefix = watch.prefix
+    probe.step = watch.session.step
+    watch.session.on_step.append(lambda step: setattr(probe, "step", step))
+    probes.append(probe)
+
+
+def _write_probe(session: Session, probe: Any) -> None:
+    try:
+        probe.remove()
+        seen = 0
+        picks = [probe.first, probe.worst, probe.worst_backward]
+        for f in [*picks, *probe.findings[:50]]:
+            if f is None:
+                continue
+            d = f.to_dict()
+            d["layer"] = probe.prefix + d["layer"]
+            d.pop("step", None)
+            session.writer.add_event(f.step, "op", d["layer"], pick=("first" if f is picks[0] else
+                                     "worst" if f is picks[1] else "worst_backward" if f is picks[2] else "seen"), **{
+                                         k: v for k, v in d.items() if k != "layer"})
+            seen += 1
+        session.writer.add_event(None, "probe", None, ops_seen=probe.ops_seen, findings=len(probe.findings))
+    except Exception as e:  # the drill-down must never lose the trace
+        log.warning("ampdoctor: op probe failed: %s", e)

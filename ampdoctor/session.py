@@ -81,6 +81,8 @@ class Session:
         self.writer.commit()
         self.tracker = StepTracker(self)
         self.watches: list[Any] = []
+        self.on_attach: list[Any] = []  # callbacks(watch): the runner installs the op probe here
+        self.on_step: list[Any] = []    # callbacks(new_step) at each step boundary
         self.layers: list[_Layer] = []
         self._layer_by_name: dict[str, _Layer] = {}
         self._exec_counter = 0
@@ -90,7 +92,8 @@ class Session:
         self._oracle = None
         if self.config.oracle is not None:
             from .oracle import Oracle, OracleConfig
-            self._oracle = Oracle(OracleConfig.from_dict(self.config.oracle))
+            self._oracle = Oracle(OracleConfig.from_dict(self.config.oracle),
+                                  reference_losses=self.config.reference_losses)
         self.decision: Any = None
         self._detail_left = 0
         self._first_found: dict[str, bool] = {"forward": False, "backward": False, "weight": False}
@@ -113,6 +116,8 @@ class Session:
     def attach(self, watch: Any) -> None:
         self.watches.append(watch)
         self.tracker.install()
+        for cb in list(self.on_attach):
+            cb(watch)
 
     def detach(self, watch: Any) -> None:
         if watch in self.watches:
@@ -162,13 +167,18 @@ class Session:
         self._skipped: torch.Tensor | None = None
         self._active = False
 
-    def next_call(self, lid: int) -> int:
-        self._active = True
+    def mark_order(self, lid: int) -> None:
+        """First time a module starts its forward: its place in execution (pre-)order."""
         layer = self.layers[lid]
         if layer.ord is None:
             layer.ord = self._exec_counter
             self._exec_counter += 1
             self.writer.add_layers([(lid, layer.name, layer.type, layer.ord, int(layer.is_leaf), layer.parent)])
+
+    def next_call(self, lid: int) -> int:
+        self._active = True
+        if self.layers[lid].ord is None:
+            self.mark_order(lid)
         c = self._calls.get(lid, 0)
         self._calls[lid] = c + 1
         return c
@@ -262,6 +272,8 @@ class Session:
         recorded = self.recording
         self.step += 1
         self._reset_step()
+        for cb in self.on_step:
+            cb(self.step)
         decision = None
         if recorded or len(self._pending_scalars) >= self.config.every:
             decision = self._flush(rows, row_meta, flags, flag_meta, recorded)
@@ -448,6 +460,11 @@ class Session:
                 except Exception as e:  # pragma: no cover - never mask the user's own error
                     log.warning("ampdoctor: could not flush the last step: %s", e)
         finally:
+            if self._oracle is not None and self.decision is None and self.step > 0:
+                try:
+                    self.decision = self._oracle.finish()
+                except Exception as e:  # pragma: no cover
+                    log.warning("ampdoctor: oracle could not finish: %s", e)
             self.closed = True
             for w in list(self.watches):
                 w._detach_hooks()

@@ -107,7 +107,11 @@ class Watch:
         stack = []
 
         def pre(mod: nn.Module, args: Any) -> None:
-            if not s.recording or not s.attributing or self._removed:
+            if not s.recording or self._removed:
+                return
+            if s.layers[lid].ord is None:
+                s.mark_order(lid)
+            if not s.attributing:
                 return
             ins = [t for _, t in floating(iter_tensors(args))]
             stack.append(_nonfinite_flag(ins))

@@ -1,0 +1,51 @@
+"""Entry point of one bisect trial: ``python -m ampdoctor._trial SCRIPT [ARGS...]``.
+
+The trial's :class:`~ampdoctor.config.RunConfig` comes in ``AMPDOCTOR_CONFIG``; the result
+goes as JSON to the file named by ``AMPDOCTOR_TRIAL_RESULT``. A fresh process per trial gives
+clean CUDA/RNG/global state, and a hung trial can be killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    from .config import RunConfig
+    from .runner import ScriptNotFound, run_script
+
+    cfg = RunConfig.from_env()
+    out = os.environ.get("AMPDOCTOR_TRIAL_RESULT")
+    if cfg is None or not out or not argv:
+        print("ampdoctor._trial is started by `ampdoctor bisect`, not by hand", file=sys.stderr)
+        return 2
+    try:
+        res = run_script(argv[0], argv[1:], cfg)
+    except ScriptNotFound as e:
+        data = {"status": "crashed", "exit_code": 2, "error": str(e), "steps": 0, "trained": False}
+    else:
+        data = {
+            "status": res.status, "exit_code": res.exit_code, "error": res.error, "traceback": res.traceback,
+            "steps": res.steps, "optimizer_steps": res.optimizer_steps, "trained": res.trained,
+            "stop_reason": res.stop_reason, "trace": res.trace,
+            "decision": None if res.decision is None else {
+                "outcome": res.decision.outcome, "step": res.decision.step, "reason": res.decision.reason},
+        }
+    tmp = out + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, out)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    # os._exit: skip interpreter teardown of the user's objects (atexit already ran in run_script's close)
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

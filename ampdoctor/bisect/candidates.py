@@ -1,0 +1,86 @@
+"""What the baseline trace says: the candidate modules, their tree, and where to look first."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..trace import TraceReader
+
+LOW_PRECISION = {"float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"}
+
+
+@dataclass
+class Baseline:
+    candidates: list[str]                 # executed modules in execution order (root "" first)
+    parent: dict[str, str | None]
+    hints: list[str]                      # most likely culprits first
+    first_nonfinite: dict | None
+    low_precision: set[str] = field(default_factory=set)
+    types: dict[str, str] = field(default_factory=dict)
+
+
+def _parent_of(name: str, names: set[str]) -> str | None:
+    if name == "":
+        return None
+    p = name.rpartition(".")[0]
+    while p and p not in names:
+        p = p.rpartition(".")[0]
+    return p if p in names else ("" if "" in names else None)
+
+
+def read_baseline(trace: str | Path) -> Baseline:
+    with TraceReader(trace) as r:
+        layers = [lay for lay in r.layers() if lay["ord"] is not None]
+        by_id = {lay["id"]: lay for lay in layers}
+        acts = r.stats(kind="activation")
+        events = r.events("first_nonfinite")
+    layers.sort(key=lambda lay: lay["ord"])
+    names = [lay["name"] for lay in layers]
+    name_set = set(names)
+    # which modules produced low-precision outputs (directly, or through a descendant)
+    low: set[str] = set()
+    overflow: dict[str, float] = {}
+    headroom: dict[str, float] = {}
+    for s in acts:
+        lay = by_id.get(s["layer"])
+        if lay is None:
+            continue
+        n = lay["name"]
+        if s["dtype"] in LOW_PRECISION:
+            low.add(n)
+        overflow[n] = overflow.get(n, 0) + s["overflow"] + s["posinf"] + s["neginf"] + s["nan"]
+        if s["absmax"]:
+            headroom[n] = min(headroom.get(n, math.inf), math.log2(65504.0 / s["absmax"]))
+    covered = set(low)
+    for n in list(low):
+        p = n
+        while p:
+            p = p.rpartition(".")[0]
+            covered.add(p)
+    recorded = {by_id[s["layer"]]["name"] for s in acts if s["layer"] in by_id}
+    # keep modules that ran in low precision, contain one, or were not recorded (containers)
+    cands = [n for n in names if n in covered or n not in recorded]
+    cset = set(cands)
+    parent = {n: _parent_of(n, cset) for n in cands}
+    hints: list[str] = []
+    fwd = [e for e in events if e["detail"].get("kind") == "activation" and not e["detail"].get("input_nonfinite")]
+    for e in fwd[:1]:
+        if e["layer"] in cset:
+            hints.append(e["layer"])
+    for e in events:
+        if e["layer"] in cset and e["layer"] not in hints and not e["detail"].get("from_loss") and \
+                e["detail"].get("kind") in ("gradient", "weight_grad"):
+            hints.append(e["layer"])
+            break
+    worst = sorted((n for n in overflow if n in cset and overflow[n] > 0), key=lambda n: -overflow[n])
+    for n in worst[:2]:
+        if n not in hints:
+            hints.append(n)
+    first = None
+    if events:
+        e = (fwd or events)[0]
+        first = {"layer": e["layer"], "kind": e["detail"].get("kind"), "step": e["step"]}
+    types = {lay["name"]: lay["type"] for lay in layers}
+    return Baseline(candidates=cands, parent=parent, hints=hints, first_nonfinite=first, low_precision=low, types=types)

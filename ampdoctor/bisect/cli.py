@@ -1,0 +1,132 @@
+"""``ampdoctor bisect``: the click command (printing lives here, the work in driver.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from ..formats import FORMATS
+
+
+def _progress(kind: str, info: dict) -> None:
+    if kind == "start":
+        click.echo(f"  ... {info['name']}", err=True)
+    elif kind == "trial":
+        t = info["trial"]
+        forced = ", ".join(n or "(whole model)" for n in t.fp32) or "nothing"
+        what = t.outcome + (f" at step {t.step} ({t.reason})" if t.outcome == "fail" else "")
+        if t.outcome in ("error", "timeout") and t.error:
+            what += f": {t.error}"
+        click.echo(f"trial {info['n']:>2}  {t.seconds:6.1f}s  fp32=[{forced}]  -> {what}", err=True)
+
+
+def _summary(res: dict) -> str:
+    lines = ["", f"verdict: {res['verdict']}"]
+    if res.get("failure"):
+        f = res["failure"]
+        lines.append(f"baseline breaks at step {f['step']}: {f['reason']}")
+    if res.get("first_nonfinite"):
+        fn = res["first_nonfinite"]
+        lines.append(f"first non-finite: {fn['kind']} of {fn['layer'] or '(root)'} at step {fn['step']}")
+    if res["culprits"]:
+        lines.append("culprit(s): " + ", ".join(c or "(whole model)" for c in res["culprits"]))
+    for o in res.get("ops", []):
+        amax = "inf" if o["absmax"] is None or o["absmax"] == float("inf") else f"{o['absmax']:.3g}"
+        lines.append(f"  {o['pick']:>6} op in {o['layer'] or '(root)'}: {o['op']} at {o['where']} "
+                     f"({o['phase']}, abs-max {amax})")
+    n = len(res["trials"])
+    lines.append(f"{n} trial(s), {res.get('seconds', 0):.1f}s")
+    if res["verdict"] == "healthy":
+        lines.append("The baseline run did not break: nothing to bisect (raise --max-steps or check the arguments).")
+    elif res["verdict"] == "not_precision":
+        lines.append("It breaks with every layer in FP32 too: not a precision problem (learning rate, data, a bug?).")
+    elif res["verdict"] == "error":
+        lines.append(res.get("error", "the script failed"))
+    elif res["verdict"] == "inconclusive":
+        lines.append("The trials could not settle it: " + "; ".join(res.get("notes", [])))
+        if res.get("suspects"):
+            lines.append("smallest set known to pass: " + ", ".join(res["suspects"]))
+    for a in res.get("advice", []):
+        lines.append(f"fix: {a}")
+    for note in res.get("notes", []) if res["verdict"] != "inconclusive" else []:
+        lines.append(f"note: {note}")
+    lines.append(f"run folder: {res['out']}  (trials, logs, bisect.json; report: ampdoctor report {res['out']})")
+    return "\n".join(lines)
+
+
+@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--out", type=click.Path(file_okay=False), default=None,
+              help="Run folder [default: ./ampdoctor-runs/<script>-bisect-<time>].")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result JSON here too.")
+@click.option("--format", "fmt", type=click.Choice(sorted(FORMATS), case_sensitive=False), default="fp16", show_default=True)
+@click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Independent trials at once (one GPU each when several are visible).")
+@click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Runs per trial set; the majority decides (for flaky failures).")
+@click.option("--timeout", type=float, default=None, help="Seconds per trial [default: 3x the baseline + 30, >= 60].")
+@click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Cap every run at N steps.")
+@click.option("--margin", type=click.IntRange(min=0), default=None,
+              help="A trial passes after the baseline's failure step + this many steps [default: max(5, step/2)].")
+@click.option("--max-trials", type=click.IntRange(min=1), default=None, help="Give up (inconclusive) after N trials.")
+@click.option("--nonfinite-k", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Fail when the loss is non-finite K steps in a row.")
+@click.option("--scale-floor", type=float, default=None, help="Fail when the GradScaler scale drops below this [oracle default].")
+@click.option("--skip-window", type=click.IntRange(min=1), default=None, help="Window W for the skipped-steps criterion.")
+@click.option("--skip-frac", type=float, default=None, help="Fail when more than this fraction of the last W steps were skipped.")
+@click.option("--divergence", type=float, default=None,
+              help="Also fail when the final loss is worse than the FP32 control's by this factor (runs the control first).")
+@click.option("--no-drill", is_flag=True, help="Skip the op-level drill-down run.")
+@click.argument("script", type=click.Path())
+@click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
+def bisect_command(out, json_path, fmt, jobs, repeat, timeout, max_steps, margin, max_trials, nonfinite_k, scale_floor,
+                   skip_window, skip_frac, divergence, no_drill, script, script_args):
+    """Find the smallest set of layers whose FP32 cast makes SCRIPT stop breaking.
+
+    Options go before SCRIPT; everything after it (or after `--`) is the script's own.
+    Exit status: 0 culprit or healthy, 1 error, 2 usage, 3 not_precision, 4 inconclusive."""
+    from ..cli import _script_args, default_out
+    from ..oracle import OracleConfig
+    from .driver import BisectOptions, run_bisect
+
+    if not Path(script).is_file():
+        raise click.UsageError(f"script not found: {script} (give the path of a Python training script)")
+    oc = {"nonfinite_k": nonfinite_k}
+    for k, v in (("scale_floor", scale_floor), ("skip_window", skip_window), ("skip_frac", skip_frac)):
+        if v is not None:
+            oc[k] = v
+    try:
+        oracle = OracleConfig.from_dict(oc)
+    except (TypeError, ValueError) as e:
+        raise click.BadParameter(str(e)) from None
+    out_dir = Path(out) if out else default_out(script, "bisect")
+    opts = BisectOptions(fmt=fmt.lower(), oracle=oracle, timeout=timeout, max_steps=max_steps, margin=margin, jobs=jobs,
+                         repeat=repeat, drill=not no_drill, max_trials=max_trials, divergence=divergence)
+    click.echo(f"ampdoctor bisect: {script} (run folder {out_dir})", err=True)
+    res = run_bisect(script, _script_args(script_args), out_dir, opts, progress=_progress)
+    click.echo(_summary(res))
+    if json_path:
+        Path(json_path).write_text((out_dir / "bisect.json").read_text())
+    _write_report(out_dir, res)
+    sys.exit(res["exit_status"])
+
+
+def _write_report(out_dir: Path, res: dict) -> None:
+    """report.html/json of the baseline trial with the bisect result beside it."""
+    import shutil
+
+    base = next((d for d in res.get("trial_details", []) if d["name"] == "baseline"), None)
+    if base is None:
+        return
+    trace = Path(base["folder"]) / "trace.sqlite"
+    if not trace.exists():
+        return
+    try:
+        shutil.copy(trace, out_dir / "trace.sqlite")
+        from ..cli import _write_outputs
+        from ..report import build_report
+
+        _write_outputs(build_report(out_dir), None, None, None, out_dir)
+    except Exception as e:  # the bisect result stands without its report
+        click.echo(f"ampdoctor: could not write the report: {e}", err=True)

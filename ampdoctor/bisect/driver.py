@@ -1,0 +1,234 @@
+"""The bisect procedure: controls, the stats-guided search, the drill-down, the result.
+
+``run_bisect`` returns the contract's JSON (see DESIGN.md) and writes it to ``out/bisect.json``.
+Progress goes to a callback (the CLI prints it); nothing here prints.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..oracle import OracleConfig
+from ..trace import TraceReader
+from .candidates import Baseline, read_baseline
+from .search import find_culprits
+from .trials import Trial, TrialRunner
+
+log = logging.getLogger(__name__)
+
+VERDICT_EXIT = {"culprit": 0, "healthy": 0, "error": 1, "not_precision": 3, "inconclusive": 4}
+
+
+@dataclass
+class BisectOptions:
+    fmt: str = "fp16"
+    oracle: OracleConfig | None = None
+    timeout: float | None = None      # per trial (seconds); default: 3x the baseline + 60 s
+    max_steps: int | None = None      # cap every trial (the baseline too)
+    margin: int | None = None         # a trial passes after the failure step + margin steps
+    jobs: int = 1
+    repeat: int = 1
+    drill: bool = True
+    max_trials: int | None = None
+    divergence: float | None = None
+
+
+def _gpus() -> int:
+    try:
+        import torch
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+def _ops_from(trace: Path, culprits: Sequence[str]) -> list[dict]:
+    ops: list[dict] = []
+    try:
+        with TraceReader(trace) as r:
+            events = r.events("op")
+    except Exception:
+        return ops
+    inside = [e for e in events if any(e["layer"] == c or e["layer"].startswith(c + ".") or c == "" for c in culprits)]
+    for pick in ("first", "worst", "worst_backward"):
+        for e in inside:
+            d = e["detail"]
+            if d.get("pick") != pick:
+                continue
+            absmax = d.get("absmax_fp32") if d.get("absmax_fp32") is not None else d.get("absmax")
+            if d.get("nonfinite") and d.get("absmax_fp32") is None:
+                absmax = math.inf
+            item = {"layer": e["layer"], "op": d.get("op"), "where": d.get("where"), "absmax": absmax,
+                    "phase": d.get("phase", "forward"), "nonfinite": bool(d.get("nonfinite")), "step": e["step"],
+                    "pick": pick, "dtype": d.get("dtype")}
+            if not any(o["op"] == item["op"] and o["where"] == item["where"] and o["phase"] == item["phase"] for o in ops):
+                ops.append(item)
+    return ops
+
+
+def fix_snippets(culprits: Sequence[str], types: dict[str, str], ops: list[dict]) -> list[str]:
+    advice = []
+    for c in culprits:
+        path = "model" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in c.split(".")) if c else "model"
+        advice.append(f"Keep {c or 'the whole model'} ({types.get(c, 'module')}) in FP32: "
+                      f"ampdoctor.keep_fp32({path})")
+        advice.append(f"Plain PyTorch: in {types.get(c, 'its')}.forward wrap the body in "
+                      "`with torch.autocast(device_type, enabled=False):` and cast the inputs with `.float()` "
+                      "(or decorate forward with `@torch.amp.custom_fwd(device_type=..., cast_inputs=torch.float32)`)")
+    for o in ops:
+        if o.get("pick") != "first":
+            continue
+        if o["op"] in ("matmul", "bmm", "baddbmm", "einsum") and o["phase"] == "forward":
+            advice.append(f"{o['op']} at {o['where']} overflows (abs-max {_fmt(o['absmax'])}): scale an operand before "
+                          "the product (e.g. q * d**-0.5 before q @ k.T) or compute it in FP32; clamping after is too late.")
+        elif o["op"] in ("mul", "pow", "square") and o["phase"] == "forward":
+            advice.append(f"{o['op']} at {o['where']} overflows (abs-max {_fmt(o['absmax'])}): compute the square in FP32 "
+                          "(x.float()) or normalise by the abs-max first.")
+    return advice
+
+
+def _fmt(v: Any) -> str:
+    return "inf" if v is None or (isinstance(v, float) and math.isinf(v)) else f"{v:.3g}"
+
+
+def run_bisect(script: str, args: Sequence[str], out: Path, opts: BisectOptions,
+               progress: Callable[[str, dict], None] | None = None) -> dict:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.monotonic()
+    emit = progress or (lambda kind, info: None)
+    oracle = (opts.oracle or OracleConfig())
+    if opts.divergence is not None:
+        oracle.divergence = opts.divergence
+    runner = TrialRunner(script, args, out, fmt=opts.fmt, oracle=oracle.to_dict(), timeout=opts.timeout,
+                         max_steps=opts.max_steps)
+    result: dict[str, Any] = {"verdict": "error", "culprits": [], "failure": None, "first_nonfinite": None, "ops": [],
+                              "trials": [], "advice": [], "script": str(script), "args": list(args), "out": str(out)}
+
+    def finish(verdict: str, **extra: Any) -> dict:
+        result.update(verdict=verdict, **extra)
+        result["trials"] = [t.to_contract() for t in runner.trials]
+        result["trial_details"] = [{"name": t.name, "folder": t.folder, "reason": t.reason, "error": t.error}
+                                   for t in runner.trials]
+        result["seconds"] = round(time.monotonic() - t_start, 3)
+        result["exit_status"] = VERDICT_EXIT[verdict]
+        (out / "bisect.json").write_text(json.dumps(_clean(result), indent=2, default=_json_default, allow_nan=False))
+        emit("done", result)
+        return result
+
+    def record(t: Trial) -> Trial:
+        emit("trial", {"trial": t, "n": len(runner.trials)})
+        return t
+
+    reference = None
+    if opts.divergence is not None:
+        emit("start", {"name": "fp32-reference"})
+        ctl = record(runner.run("fp32-reference", [""], pass_after=None))
+        reference = _losses(Path(ctl.folder) / "trace.sqlite")
+        result["fp32_control_losses"] = reference
+        if ctl.outcome != "pass":
+            return finish("not_precision" if ctl.outcome == "fail" else "inconclusive",
+                          notes=[f"the FP32 reference run did not pass ({ctl.outcome})"])
+    emit("start", {"name": "baseline"})
+    base = record(_run(runner, "baseline", [], None, reference, all_modules=True))
+    if base.outcome in ("error", "timeout"):
+        msg = base.error or base.outcome
+        return finish("error", error=f"the script failed without a numerical failure: {msg}",
+                      notes=[f"logs: {base.folder}/stderr.txt"])
+    if base.outcome == "pass":
+        return finish("healthy", notes=[f"the baseline ran {base.steps} steps without breaking"])
+    fail_step = base.step or 0
+    result["failure"] = {"step": fail_step, "reason": base.reason}
+    bl: Baseline = read_baseline(Path(base.folder) / "trace.sqlite")
+    result["first_nonfinite"] = bl.first_nonfinite
+    if not bl.candidates:
+        return finish("inconclusive", notes=["no module ran while watching: is the model built with torch.nn modules?"])
+    if opts.timeout is None:
+        runner.timeout = max(60.0, 3 * base.seconds + 30)
+    margin = opts.margin if opts.margin is not None else max(5, fail_step // 2)
+    pass_after = fail_step + margin
+    result["pass_after"] = pass_after
+    root_set = frozenset(n for n in bl.candidates if bl.parent.get(n) is None)
+    known: dict[frozenset, str] = {frozenset(): "fail"}
+    first = [("all-fp32", sorted(root_set))]
+    if bl.hints:
+        first.append(("hint-" + (bl.hints[0] or "root"), [bl.hints[0]]))
+    gpus = _gpus()
+    jobs = max(1, opts.jobs)
+    if jobs > 1:
+        for t in runner.run_many(first, pass_after=pass_after, jobs=jobs, gpus=gpus if gpus > 1 else 0):
+            record(t)
+            known[frozenset(t.fp32)] = t.outcome
+    cache_runs = {"n": 0}
+
+    def test(fp32: frozenset) -> str:
+        order = [n for n in bl.candidates if n in fp32]
+        cache_runs["n"] += 1
+        name = "all-fp32" if fp32 == root_set else ("+".join(n or "root" for n in order)[:60] or "none")
+        t = record(_run(runner, name.replace("/", "_"), order, pass_after, reference))
+        return t.outcome
+
+    sr = find_culprits(bl.candidates, test, parent=bl.parent, hints=bl.hints, repeat=opts.repeat,
+                       known=known, max_trials=opts.max_trials)
+    notes = list(sr.notes)
+    if sr.verdict != "culprit":
+        extra: dict[str, Any] = {"notes": notes}
+        if sr.verdict == "inconclusive":
+            extra["suspects"] = sr.suspects
+            extra["disagreements"] = sr.to_dict()["disagreements"]
+        return finish(sr.verdict, **extra)
+    culprits = list(sr.culprits)
+    result["culprits"] = culprits
+    ops: list[dict] = []
+    if opts.drill:
+        emit("start", {"name": "drill-down"})
+        d = record(_run(runner, "drill-down", [], None, reference, probe=culprits))
+        ops = _ops_from(Path(d.folder) / "trace.sqlite", culprits)
+    result["ops"] = ops
+    result["advice"] = fix_snippets(culprits, bl.types, ops)
+    return finish("culprit", notes=notes)
+
+
+def _run(runner: TrialRunner, name: str, fp32: Sequence[str], pass_after: int | None, reference: dict | None,
+         **kw: Any) -> Trial:
+    runner.reference = reference
+    return runner.run(name, fp32, pass_after=pass_after, **kw)
+
+
+def _losses(trace: Path) -> dict[str, float]:
+    try:
+        with TraceReader(trace) as r:
+            return {str(s["step"]): s["loss"] for s in r.steps() if s["loss"] is not None and math.isfinite(s["loss"])}
+    except Exception:
+        return {}
+
+
+def _clean(o: Any) -> Any:
+    """JSON has no Inf/NaN: non-finite numbers become null (``nonfinite`` says why)."""
+    if isinstance(o, float) and not math.isfinite(o):
+        return None
+    if isinstance(o, dict):
+        return {k: _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    return o
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, float):
+        return None
+    if isinstance(o, (set, frozenset)):
+        return sorted(o)
+    return str(o)
+
+
+def exit_status(verdict: str) -> int:
+    return VERDICT_EXIT.get(verdict, 1)
+
+
+__all__ = ["BisectOptions", "run_bisect", "exit_status", "fix_snippets", "VERDICT_EXIT"]

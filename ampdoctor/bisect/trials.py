@@ -1,0 +1,194 @@
+"""Running trials: one fresh subprocess per trial, classified pass/fail/error/timeout.
+
+A trial re-runs the user's script (``python -m ampdoctor._trial``) with some modules forced
+to FP32; the oracle inside the trial stops it as soon as it is decided. Exceptions, non-zero
+exits and timeouts are ``error``/``timeout`` (git bisect's *skip*), never ``fail`` -- except
+a script that raises *after* its loss went non-finite (``if loss.isnan(): raise``), which is
+the numerical failure it reports.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..config import RunConfig
+from ..trace import TraceReader
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Trial:
+    index: int
+    name: str
+    fp32: list[str]
+    outcome: str                 # pass | fail | error | timeout
+    step: int | None = None      # failing step (fail) or steps run
+    reason: str | None = None
+    seconds: float = 0.0
+    folder: str = ""
+    error: str | None = None
+    steps: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def to_contract(self) -> dict:
+        return {"fp32": list(self.fp32), "outcome": self.outcome, "step": self.step, "seconds": round(self.seconds, 3)}
+
+
+class TrialRunner:
+    """Runs trials of one script into ``out/trials/NN-name/`` and keeps their results."""
+
+    def __init__(self, script: str, args: Sequence[str], out: Path, *, fmt: str = "fp16", oracle: dict | None = None,
+                 timeout: float | None = None, max_steps: int | None = None, python: str | None = None,
+                 env: dict | None = None):
+        self.script = str(Path(script).resolve())
+        self.args = list(args)
+        self.out = Path(out)
+        self.fmt = fmt
+        self.oracle = oracle or {}
+        self.timeout = timeout
+        self.max_steps = max_steps
+        self.python = python or sys.executable
+        self.env = dict(env or {})
+        self.trials: list[Trial] = []
+        self.reference: dict | None = None  # FP32 control losses, for the divergence criterion
+
+    def config(self, fp32: Sequence[str], *, trace: Path, pass_after: int | None, all_modules: bool = False,
+               probe: Sequence[str] = ()) -> RunConfig:
+        return RunConfig(trace=str(trace), format=self.fmt, every=1, all_modules=all_modules, max_steps=self.max_steps,
+                         force_fp32=list(fp32), oracle=dict(self.oracle), pass_after=pass_after, probe=list(probe),
+                         reference_losses=self.reference)
+
+    def start(self, name: str, fp32: Sequence[str], *, pass_after: int | None, all_modules: bool = False,
+              probe: Sequence[str] = (), gpu: int | None = None) -> dict:
+        """Launch a trial; returns a handle for :meth:`wait`."""
+        index = len(self.trials) + len(getattr(self, "_running", []))
+        folder = self.out / "trials" / f"{index:02d}-{name}"
+        folder.mkdir(parents=True, exist_ok=True)
+        cfg = self.config(fp32, trace=folder / "trace.sqlite", pass_after=pass_after, all_modules=all_modules, probe=probe)
+        (folder / "config.json").write_text(cfg.to_env())
+        env = dict(os.environ, **self.env)
+        env["AMPDOCTOR_CONFIG"] = cfg.to_env()
+        env["AMPDOCTOR_TRIAL_RESULT"] = str(folder / "result.json")
+        env["PYTHONUNBUFFERED"] = "1"
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+        stdout = open(folder / "stdout.txt", "w")
+        stderr = open(folder / "stderr.txt", "w")
+        t0 = time.monotonic()
+        proc = subprocess.Popen([self.python, "-m", "ampdoctor._trial", self.script, *self.args], stdout=stdout,
+                                stderr=stderr, env=env, cwd=os.getcwd(), start_new_session=True)
+        handle = {"proc": proc, "t0": t0, "folder": folder, "fp32": list(fp32), "name": name, "index": index,
+                  "files": (stdout, stderr)}
+        self._running = getattr(self, "_running", []) + [handle]
+        return handle
+
+    def wait(self, handle: dict) -> Trial:
+        proc = handle["proc"]
+        timed_out = False
+        try:
+            remaining = None if self.timeout is None else max(1.0, self.timeout - (time.monotonic() - handle["t0"]))
+            proc.wait(timeout=remaining)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            _kill_group(proc)
+        seconds = time.monotonic() - handle["t0"]
+        for f in handle["files"]:
+            f.close()
+        self._running = [h for h in self._running if h is not handle]
+        trial = self._classify(handle, proc.returncode, timed_out, seconds)
+        self.trials.append(trial)
+        (handle["folder"] / "outcome.json").write_text(json.dumps(trial.__dict__, default=str, indent=1))
+        return trial
+
+    def run(self, name: str, fp32: Sequence[str], *, pass_after: int | None, **kw: Any) -> Trial:
+        return self.wait(self.start(name, fp32, pass_after=pass_after, **kw))
+
+    def run_many(self, specs: list[tuple[str, Sequence[str]]], *, pass_after: int | None, jobs: int,
+                 gpus: int = 0) -> list[Trial]:
+        """Run several independent trials, ``jobs`` at a time (one GPU each when ``gpus``)."""
+        results: list[Trial | None] = [None] * len(specs)
+        pending = list(enumerate(specs))
+        running: list[tuple[int, dict]] = []
+        slot = 0
+        while pending or running:
+            while pending and len(running) < max(1, jobs):
+                i, (name, fp32) = pending.pop(0)
+                gpu = (slot % gpus) if gpus else None
+                slot += 1
+                running.append((i, self.start(name, fp32, pass_after=pass_after, gpu=gpu)))
+            i, h = running.pop(0)
+            results[i] = self.wait(h)
+        return [r for r in results if r is not None]
+
+    # -- classification --------------------------------------------------------------------
+    def _classify(self, handle: dict, returncode: int | None, timed_out: bool, seconds: float) -> Trial:
+        folder = handle["folder"]
+        base = dict(index=handle["index"], name=handle["name"], fp32=handle["fp32"], seconds=seconds, folder=str(folder))
+        result_file = folder / "result.json"
+        data = json.loads(result_file.read_text()) if result_file.exists() else None
+        last_loss_bad, steps = _trace_tail(folder / "trace.sqlite")
+        if timed_out:
+            return Trial(outcome="timeout", error=f"killed after {self.timeout:.0f}s (--timeout)", steps=steps, **base)
+        if data is None:
+            why = f"the trial process died (exit status {returncode})"
+            if returncode is not None and returncode < 0:
+                why += f", killed by signal {-returncode}" + (" (out of memory?)" if -returncode == signal.SIGKILL else "")
+            if last_loss_bad:
+                return Trial(outcome="fail", step=last_loss_bad, reason="nonfinite_loss", error=why, steps=steps, **base)
+            return Trial(outcome="error", error=why + f"; see {folder}/stderr.txt", steps=steps, **base)
+        dec = data.get("decision") or {}
+        steps = data.get("steps", steps)
+        if data["status"] in ("crashed", "exited", "interrupted"):
+            err = data.get("error") or f"exit status {data.get('exit_code')}"
+            if dec.get("outcome") == "fail":
+                return Trial(outcome="fail", step=dec.get("step"), reason=dec.get("reason"), error=err, steps=steps, **base)
+            if last_loss_bad is not None:
+                return Trial(outcome="fail", step=last_loss_bad, reason="nonfinite_loss", steps=steps,
+                             error=f"{err} (raised after the loss became non-finite)", **base)
+            return Trial(outcome="error", error=err, steps=steps, extra={"traceback": data.get("traceback")}, **base)
+        if not data.get("trained", True):
+            return Trial(outcome="error", steps=steps, error="the script never trained (no optimizer.step() or "
+                         "GradScaler.update() ran)", **base)
+        if dec.get("outcome") == "fail":
+            return Trial(outcome="fail", step=dec.get("step"), reason=dec.get("reason"), steps=steps, **base)
+        return Trial(outcome="pass", step=steps, steps=steps, **base)
+
+
+def _trace_tail(path: Path) -> tuple[int | None, int]:
+    """(step of the last non-finite loss if the last recorded loss is non-finite, steps recorded)."""
+    if not path.exists():
+        return None, 0
+    try:
+        with TraceReader(path) as r:
+            steps = r.steps()
+    except Exception:
+        return None, 0
+    if not steps:
+        return None, 0
+    last = steps[-1]["loss"]
+    bad = last is not None and not math.isfinite(last)
+    if not bad:
+        return None, len(steps)
+    first = len(steps) - 1
+    while first > 0 and steps[first - 1]["loss"] is not None and not math.isfinite(steps[first - 1]["loss"]):
+        first -= 1
+    return steps[first]["step"], len(steps)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    proc.wait()
