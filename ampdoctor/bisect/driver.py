@@ -96,8 +96,9 @@ def _fmt(v: Any) -> str:
     return "inf" if v is None or (isinstance(v, float) and math.isinf(v)) else f"{v:.3g}"
 
 
-def run_bisect(script: str, args: Sequence[str], out: Path, opts: BisectOptions,
-               progress: Callable[[str, dict], None] | None = None) -> dict:
+def run_bisect(script: str | None, args: Sequence[str], out: Path, opts: BisectOptions,
+               progress: Callable[[str, dict], None] | None = None, runner: TrialRunner | None = None) -> dict:
+    """Bisect ``script`` (subprocess trials) or, with ``runner``, whatever that runner runs."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.monotonic()
@@ -105,8 +106,9 @@ def run_bisect(script: str, args: Sequence[str], out: Path, opts: BisectOptions,
     oracle = (opts.oracle or OracleConfig())
     if opts.divergence is not None:
         oracle.divergence = opts.divergence
-    runner = TrialRunner(script, args, out, fmt=opts.fmt, oracle=oracle.to_dict(), timeout=opts.timeout,
-                         max_steps=opts.max_steps)
+    if runner is None:
+        runner = TrialRunner(script, args, out, fmt=opts.fmt, oracle=oracle.to_dict(), timeout=opts.timeout,
+                             max_steps=opts.max_steps)
     result: dict[str, Any] = {"verdict": "error", "culprits": [], "failure": None, "first_nonfinite": None, "ops": [],
                               "trials": [], "advice": [], "script": str(script), "args": list(args), "out": str(out)}
 

@@ -48,10 +48,10 @@ class Trial:
 class TrialRunner:
     """Runs trials of one script into ``out/trials/NN-name/`` and keeps their results."""
 
-    def __init__(self, script: str, args: Sequence[str], out: Path, *, fmt: str = "fp16", oracle: dict | None = None,
+    def __init__(self, script: str | None, args: Sequence[str], out: Path, *, fmt: str = "fp16", oracle: dict | None = None,
                  timeout: float | None = None, max_steps: int | None = None, python: str | None = None,
                  env: dict | None = None):
-        self.script = str(Path(script).resolve())
+        self.script = str(Path(script).resolve()) if script is not None else ""
         self.args = list(args)
         self.out = Path(out)
         self.fmt = fmt

@@ -1,0 +1,99 @@
+"""``ampdoctor.bisect(train_fn)``: bisection of a Python callable, for notebooks.
+
+Each trial calls ``train_fn()`` in this process under a fresh session (RNGs reseeded, the
+model watched automatically, the trial's modules forced to FP32), so ``train_fn`` must build
+its own model and optimizer on every call. The result is the same dict as ``ampdoctor bisect
+--json`` writes. In-process trials cannot be killed: a trial that hangs hangs the call.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ..config import RunConfig
+from ..session import Session, StopRun, _set_current
+from .driver import BisectOptions, run_bisect
+from .trials import Trial, TrialRunner
+
+
+class InProcessRunner(TrialRunner):
+    """Trials that call ``train_fn()`` here instead of starting a subprocess."""
+
+    def __init__(self, train_fn: Callable[[], Any], out: Path, *, seed: int = 0, **kw: Any):
+        super().__init__(None, [], out, **kw)
+        self.train_fn = train_fn
+        self.seed = seed
+
+    def run(self, name: str, fp32: Sequence[str], *, pass_after: int | None, all_modules: bool = False,
+            probe: Sequence[str] = (), gpu: int | None = None) -> Trial:
+        import numpy as np
+        import torch
+
+        from ..runner import _attach_probe, _write_probe
+
+        index = len(self.trials)
+        folder = self.out / "trials" / f"{index:02d}-{name}"
+        folder.mkdir(parents=True, exist_ok=True)
+        cfg: RunConfig = self.config(fp32, trace=folder / "trace.sqlite", pass_after=pass_after,
+                                     all_modules=all_modules, probe=probe)
+        (folder / "config.json").write_text(cfg.to_env())
+        random.seed(self.seed)
+        np.random.seed(self.seed)
+        torch.manual_seed(self.seed)
+        session = Session(cfg, owned=True)
+        _set_current(session)
+        from ..autowatch import AutoWatch
+
+        auto = AutoWatch(session)
+        probes: list[Any] = []
+        if cfg.probe:
+            session.on_attach.append(lambda w: _attach_probe(w, cfg, probes))
+        t0 = time.monotonic()
+        status, err, decision = "finished", None, None
+        try:
+            self.train_fn()
+        except StopRun as e:
+            status, decision = "stopped", e.decision
+        except Exception as e:  # the user's function failed: an error trial, not ours
+            status, err = "crashed", f"{type(e).__name__}: {e}"
+        finally:
+            auto.remove()
+            for p in probes:
+                _write_probe(session, p)
+            trained = session.step > 0 or session.optimizer_steps > 0
+            steps = session.step
+            session.close(status="crashed" if status == "crashed" else "finished")
+            decision = decision or session.decision
+        data = {"status": status, "exit_code": 1 if err else 0, "error": err, "steps": steps, "trained": trained,
+                "decision": None if decision is None else {"outcome": decision.outcome, "step": decision.step,
+                                                           "reason": decision.reason}}
+        (folder / "result.json").write_text(json.dumps(data))
+        handle = {"folder": folder, "fp32": list(fp32), "name": name, "index": index}
+        trial = self._classify(handle, 0, False, time.monotonic() - t0)
+        self.trials.append(trial)
+        return trial
+
+    def run_many(self, specs, *, pass_after, jobs, gpus=0):
+        return [self.run(n, f, pass_after=pass_after) for n, f in specs]
+
+
+def bisect(train_fn: Callable[[], Any], *, format: str = "fp16", out: str | Path | None = None,
+           max_steps: int | None = None, margin: int | None = None, repeat: int = 1, drill: bool = True,
+           seed: int = 0, oracle: Any = None, progress: Callable[[str, dict], None] | None = None) -> dict:
+    """Find the modules whose FP32 cast stops ``train_fn()`` from breaking; returns the bisect
+    result dict (``verdict``, ``culprits``, ``failure``, ``ops``, ``trials``, ``advice``)."""
+    if not callable(train_fn):
+        raise TypeError(f"ampdoctor.bisect expects a callable that builds a model and trains it, got {type(train_fn).__name__}")
+    from ..oracle import OracleConfig
+
+    out_dir = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="ampdoctor-bisect-"))
+    opts = BisectOptions(fmt=format, oracle=oracle or OracleConfig(), max_steps=max_steps, margin=margin,
+                         repeat=repeat, drill=drill)
+    runner = InProcessRunner(train_fn, out_dir, seed=seed, fmt=format, oracle=opts.oracle.to_dict(),
+                             max_steps=max_steps)
+    return run_bisect(None, [], out_dir, opts, progress=progress, runner=runner)

@@ -1,0 +1,331 @@
+"""Op drill-down: which op inside a culprit module overflows first, and on which source line.
+
+:class:`OpProbe` enables a :class:`torch.overrides.TorchFunctionMode` only while the named
+modules' forward runs (entered in a forward pre-hook, left in a forward hook registered
+with ``always_call=True``, with a depth count so nested or re-entered probed modules share
+one mode). For every torch function called there whose output is floating point it checks
+the output against the target format:
+
+* **producer**: the output has NaN/Inf although every floating input was finite (e.g. an
+  fp16 ``matmul`` under autocast whose result exceeds 65504);
+* **overflow**: finite values with ``|x| > fmt.max`` (fp32 outputs that would become Inf
+  when cast to the format).
+
+Ops are named the way the user wrote them: ``matmul`` for ``q @ k`` (``Tensor.__matmul__``),
+``mul`` for ``x * x``, ``linear`` (``F.linear`` inside ``nn.Linear``), ``softmax``, ``pow``;
+reflected operators lose their ``r`` and in-place ones get a trailing ``_`` (``__imul__`` ->
+``mul_``). The source location is the innermost stack frame outside torch and ampdoctor;
+ops called from ampdoctor's own code (other hooks inside the module) are not recorded.
+
+Backward: every recorded op output that requires grad gets a tensor hook, so the
+*gradient* flowing into that op's output is checked too (``phase="backward"``, same op name
+and line). That names the op whose output gradient first went non-finite or overflowed,
+not the aten backward kernel that produced it.
+
+This is a diagnostic run: it syncs with the device for every op inside the probed modules.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import sysconfig
+import threading
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ..formats import Format, get_format
+from ..precision import resolve_modules
+from ..stats import decode_row, tensor_stats
+
+__all__ = ["OpFinding", "OpProbe", "drill_down"]
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_PKG_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
+_BINARY = {"add", "sub", "mul", "matmul", "truediv", "floordiv", "div", "pow", "mod",
+           "and", "or", "xor", "lshift", "rshift"}
+# Recomputing these in fp32 to measure the true magnitude would change state (RNG, inputs).
+_NO_RECOMPUTE = ("dropout", "rand", "normal", "bernoulli", "multinomial")
+
+
+@dataclass
+class OpFinding:
+    layer: str  # qualified name of the innermost probed module running the op
+    op: str  # "matmul", "mul", "linear", ...
+    where: str  # "model.py:42"
+    absmax: float  # abs-max of the finite values of the output (or of its gradient)
+    # forward: the output has NaN/Inf although the inputs were finite (a producer);
+    # backward: the gradient w.r.t. the output has NaN/Inf
+    nonfinite: bool
+    overflow_count: int  # values beyond the format's max (Inf produced here counts too)
+    step: Optional[int] = None
+    phase: str = "forward"  # "backward": the gradient w.r.t. this op's output
+    path: str = ""  # full path of ``where``'s file
+    dtype: str = ""  # dtype of the output
+    absmax_fp32: Optional[float] = None  # producers: the same op recomputed in fp32
+
+    @property
+    def magnitude(self) -> float:
+        """How large the values really got: the fp32 recomputation when there is one, Inf for
+        a non-finite output without one, else the finite abs-max."""
+        if self.absmax_fp32 is not None:
+            return self.absmax_fp32
+        return float("inf") if self.nonfinite else self.absmax
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _op_name(func: Callable) -> str:
+    name = getattr(func, "__name__", None) or str(func)
+    if name.startswith("__") and name.endswith("__") and len(name) > 4:
+        core = name[2:-2]
+        if core in _BINARY:
+            return core
+        if core[:1] == "r" and core[1:] in _BINARY:
+            return core[1:]
+        if core[:1] == "i" and core[1:] in _BINARY:
+            return core[1:] + "_"
+        return core
+    return name
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for v in obj for t in _tensors(v)]
+    if isinstance(obj, dict):
+        return [t for v in obj.values() for t in _tensors(v)]
+    return []
+
+
+def _user_frame() -> Optional[tuple[str, int]]:
+    """(file, line) of the innermost frame outside torch (and this file); None when that
+    frame is ampdoctor's own code (e.g. another hook running inside the probed module)."""
+    f = sys._getframe(1)
+    while f is not None and f.f_code.co_filename == __file__:
+        f = f.f_back
+    while f is not None:
+        fn = f.f_code.co_filename
+        stdlib = fn.startswith(_STDLIB_DIR) and "site-packages" not in fn and "dist-packages" not in fn
+        if not (fn.startswith(_TORCH_DIR) or stdlib or fn.startswith("<frozen")):
+            if fn.startswith(_PKG_DIR):
+                return None
+            return fn, f.f_lineno
+        f = f.f_back
+    return None
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, probe: OpProbe) -> None:
+        super().__init__()
+        self.probe = probe
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if name not in ("__get__", "__set__"):  # attribute access computes nothing
+            try:
+                self.probe._record(func, args, kwargs, out)
+            except Exception:  # noqa: BLE001 - never break the user's forward
+                logger.debug("OpProbe could not inspect %s", name, exc_info=True)
+        return out
+
+
+class OpProbe:
+    """Records the ops that overflow inside ``module_names`` while active (a context manager).
+
+    ``findings`` lists them in the order they happened; ``first`` is the answer (the first
+    forward producer/overflow, else the first backward one); ``worst`` is the op with the
+    largest :attr:`OpFinding.magnitude` seen in forward, overflowing or not (``worst_backward``
+    the same for gradients). Set ``probe.step`` to stamp findings. ``backward=False`` skips
+    the gradient checks. The probed-module stack and the mode are per thread (modes are).
+    """
+
+    def __init__(self, model: nn.Module, module_names: Sequence[str], fmt: str | Format = "fp16",
+                 max_ops: int = 1000, backward: bool = True) -> None:
+        if isinstance(module_names, str):
+            module_names = [module_names]
+        if not module_names:
+            raise ValueError("OpProbe needs at least one module name to probe (from model.named_modules())")
+        self.modules = resolve_modules(model, module_names, what="OpProbe")
+        self.fmt = get_format(fmt)
+        self.max_ops = int(max_ops)
+        self.backward = backward
+        self.step: Optional[int] = None
+        self.findings: list[OpFinding] = []
+        self.worst: Optional[OpFinding] = None
+        self.worst_backward: Optional[OpFinding] = None
+        self.ops_seen = 0
+        self._handles: list[Any] = []
+        self._local = threading.local()  # .stack: probed modules running, .mode: the active mode
+        self._lock = threading.Lock()
+        self._closed = True
+
+    @property
+    def first(self) -> Optional[OpFinding]:
+        fwd = [f for f in self.findings if f.phase == "forward"]
+        return (fwd or self.findings or [None])[0]
+
+    @property
+    def _stack(self) -> list[str]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def __enter__(self) -> OpProbe:
+        if not self._closed:
+            raise RuntimeError("this OpProbe is already active; create a new one per run")
+        self._closed = False
+        try:
+            for name, module in self.modules:
+                self._handles.append(module.register_forward_pre_hook(self._pre_hook(name)))
+                self._handles.append(module.register_forward_hook(self._post_hook(), always_call=True,
+                                                                  prepend=True))
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        """Remove the hooks (and the mode, if left inside a forward). Safe to call twice."""
+        self._closed = True
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if getattr(self._local, "mode", None) is not None:
+            self._stack.clear()
+            self._exit_mode()
+
+    # -- hooks ------------------------------------------------------------------------------
+    # Plain closures, not bound methods: copy.deepcopy(model) while probing shares them
+    # instead of copying the probe, and they do nothing once the probe is closed.
+    def _pre_hook(self, name: str) -> Callable:
+        def hook(module: nn.Module, args: tuple) -> None:
+            if self._closed:
+                return
+            stack = self._stack
+            if not stack:
+                mode = _Mode(self)
+                mode.__enter__()
+                self._local.mode = mode
+            stack.append(name)
+        return hook
+
+    def _post_hook(self) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            stack = self._stack
+            if not stack:
+                return
+            stack.pop()
+            if not stack:
+                self._exit_mode()
+        return hook
+
+    def _exit_mode(self) -> None:
+        mode, self._local.mode = getattr(self._local, "mode", None), None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+
+    # -- recording --------------------------------------------------------------------------
+    def _record(self, func: Callable, args: tuple, kwargs: dict, out: Any) -> None:
+        outs = [t for t in _tensors(out) if t.is_floating_point()]
+        if not outs:
+            return
+        loc = _user_frame()
+        if loc is None:
+            return
+        op = _op_name(func)
+        layer = self._stack[-1] if self._stack else "?"
+        self.ops_seen += 1
+        for t in outs:
+            d = decode_row(tensor_stats(t, self.fmt).tolist(), self.fmt)
+            bad = d["nan"] + d["posinf"] + d["neginf"]
+            producer = bad > 0 and all(bool(torch.isfinite(x).all()) for x in _tensors((args, kwargs))
+                                       if x.is_floating_point())
+            finding = self._finding(layer, op, loc, d, producer, str(t.dtype).replace("torch.", ""), "forward")
+            if producer and t.dtype != torch.float32 and not any(k in op for k in _NO_RECOMPUTE) \
+                    and not op.endswith("_") and "out" not in kwargs:
+                finding.absmax_fp32 = self._absmax_fp32(func, args, kwargs)
+            self._keep(finding, producer or d["overflow"] > 0)
+            if self.backward and t.requires_grad:
+                t.register_hook(self._grad_hook(layer, op, loc))
+
+    def _finding(self, layer: str, op: str, loc: tuple[str, int], d: dict, producer: bool,
+                 dtype: str, phase: str) -> OpFinding:
+        overflow = d["overflow"] + (d["posinf"] + d["neginf"] if producer else 0)
+        return OpFinding(layer, op, f"{os.path.basename(loc[0])}:{loc[1]}", d["absmax"], producer,
+                         int(overflow), self.step, phase, loc[0], dtype)
+
+    def _keep(self, finding: OpFinding, notable: bool) -> None:
+        with self._lock:
+            attr = "worst" if finding.phase == "forward" else "worst_backward"
+            current = getattr(self, attr)
+            if current is None or finding.magnitude > current.magnitude:
+                setattr(self, attr, finding)
+            if notable and len(self.findings) < self.max_ops:
+                self.findings.append(finding)
+                logger.info("OpProbe: %s %s at %s in %s (absmax %.3g, nonfinite=%s)", finding.phase,
+                            finding.op, finding.where, finding.layer, finding.absmax, finding.nonfinite)
+
+    @staticmethod
+    def _absmax_fp32(func: Callable, args: tuple, kwargs: dict) -> Optional[float]:
+        def up(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                return x.detach().float() if x.is_floating_point() else x
+            if isinstance(x, (list, tuple)):
+                return type(x)(up(v) for v in x) if not hasattr(x, "_fields") else type(x)(*map(up, x))
+            if isinstance(x, dict):
+                return {k: up(v) for k, v in x.items()}
+            return x
+        devices = {t.device.type for t in _tensors((args, kwargs))} or {"cpu"}
+        try:
+            with torch.no_grad():
+                ctxs = [torch.autocast(dev, enabled=False) for dev in devices]
+                for c in ctxs:
+                    c.__enter__()
+                try:
+                    res = func(*up(args), **up(kwargs))
+                finally:
+                    for c in reversed(ctxs):
+                        c.__exit__(None, None, None)
+            vals = [t for t in _tensors(res) if t.is_floating_point()]
+            finite = [t[torch.isfinite(t)].abs() for t in vals]
+            return max((float(t.max()) for t in finite if t.numel()), default=None)
+        except Exception:  # noqa: BLE001 - a best-effort measurement
+            return None
+
+    def _grad_hook(self, layer: str, op: str, loc: tuple[str, int]) -> Callable:
+        def hook(grad: torch.Tensor) -> None:
+            if self._closed or not grad.is_floating_point():
+                return
+            d = decode_row(tensor_stats(grad, self.fmt).tolist(), self.fmt)
+            nonfinite = d["nan"] + d["posinf"] + d["neginf"] > 0
+            finding = self._finding(layer, op, loc, d, nonfinite, str(grad.dtype).replace("torch.", ""),
+                                    "backward")
+            self._keep(finding, nonfinite or d["overflow"] > 0)
+        return hook
+
+
+def drill_down(model: nn.Module, module_names: Sequence[str], run_fn: Callable[[], Any],
+               fmt: str | Format = "fp16", max_ops: int = 1000) -> list[OpFinding]:
+    """Run ``run_fn()`` (e.g. a few training steps) with an :class:`OpProbe` on
+    ``module_names``; returns the findings in order (the first is the answer). Exceptions
+    from ``run_fn`` propagate; use :class:`OpProbe` directly to keep findings then."""
+    with OpProbe(model, module_names, fmt, max_ops=max_ops) as probe:
+        run_fn()
+    return probe.findings

@@ -1,0 +1,347 @@
+"""Run chosen modules in FP32 inside a mixed-precision model, and undo it exactly.
+
+:func:`keep_fp32` is the one-line fix ampdoctor recommends; :func:`force_fp32` is what a
+bisect trial uses to force several modules by qualified name.
+
+How it works (and why this way): two hooks per module, nothing written onto the module.
+
+* a forward **pre-hook** (``with_kwargs=True``, prepended so it runs before the module's
+  other pre-hooks) disables autocast for every device type where it is enabled, casts the
+  module's low-precision floating inputs (args and kwargs, nested in tuples, lists and
+  dicts) to float32, and upcasts any fp16/bf16/fp8 parameters and buffers of the module
+  (and of its submodules, since their forward runs inside it) by changing ``tensor.data``,
+  so the ``Parameter`` objects an optimizer holds stay the same (done once by
+  ``keep_fp32`` and checked again at each call, in case the model was cast since);
+* a forward **hook** (``with_kwargs=True, always_call=True``, prepended so the caller's
+  autocast state is back before other forward hooks run) restores the autocast state and,
+  where no autocast was active and the inputs were half precision (a pure ``.half()`` /
+  ``.bfloat16()`` model), casts the floating outputs back to the input dtype so the rest
+  of the model sees what it saw before. ``always_call`` makes it run even when ``forward``
+  raises, so autocast is never left disabled.
+
+The autocast state to restore lives on a per-thread stack in the handle, so a module that
+is called several times per step, re-entered, or nested inside another forced module
+pairs its enter and exit correctly. :meth:`Fp32Handle.remove` removes both hooks and puts
+parameters and buffers back in their original dtype (same objects), is idempotent, and
+the handle is a context manager.
+
+Limits: a parameter shared with a module that is not forced (tied embeddings) is upcast
+for both; optimizer state created before the upcast keeps its old dtype, so call
+``keep_fp32`` before building the optimizer of a pure half-precision model. Float64 inputs
+are left as they are (forcing never lowers precision).
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import logging
+import threading
+import weakref
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["Fp32Handle", "Fp32Group", "keep_fp32", "force_fp32", "resolve_modules"]
+
+logger = logging.getLogger(__name__)
+
+_LOW_PRECISION = {torch.float16, torch.bfloat16}
+for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
+    if hasattr(torch, _name):
+        _LOW_PRECISION.add(getattr(torch, _name))
+
+
+def _autocast_device_types() -> tuple[str, ...]:
+    names = ["cpu", "cuda", "xpu", "mps", "hpu", "mtia", "maia", "ipu", "xla"]
+    try:
+        names.append(torch._C._get_privateuse1_backend_name())
+    except Exception:  # pragma: no cover - very old torch
+        pass
+    found = []
+    for name in dict.fromkeys(names):
+        try:
+            if torch.amp.autocast_mode.is_autocast_available(name):
+                torch.is_autocast_enabled(name)
+                found.append(name)
+        except Exception:  # noqa: BLE001 - a device type this build does not know
+            continue
+    return tuple(found)
+
+
+_DEVICE_TYPES = _autocast_device_types()
+
+
+def _enabled_autocast_devices() -> list[str]:
+    return [d for d in _DEVICE_TYPES if torch.is_autocast_enabled(d)]
+
+
+def _map_floats(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Apply ``fn`` to floating tensors nested in tuples/lists/dicts; unchanged objects are
+    returned as they are (identity kept)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        items = [_map_floats(v, fn) for v in obj]
+        if all(a is b for a, b in zip(items, obj)):
+            return obj
+        if isinstance(obj, list):
+            return items
+        if hasattr(obj, "_fields"):  # namedtuple
+            return type(obj)(*items)
+        return type(obj)(items)
+    if isinstance(obj, dict):
+        new = {k: _map_floats(v, fn) for k, v in obj.items()}
+        if all(new[k] is v for k, v in obj.items()):
+            return obj
+        if type(obj) is dict:
+            return new
+        out = copy.copy(obj)  # dict subclasses (OrderedDict, HF ModelOutput) keep their type
+        for k, v in new.items():
+            out[k] = v
+        return out
+    return obj
+
+
+def _first_low_precision_dtype(obj: Any) -> torch.dtype | None:
+    if isinstance(obj, torch.Tensor):
+        return obj.dtype if obj.dtype in _LOW_PRECISION else None
+    if isinstance(obj, (list, tuple)):
+        values: Iterable[Any] = obj
+    elif isinstance(obj, dict):
+        values = obj.values()
+    else:
+        return None
+    for v in values:
+        dt = _first_low_precision_dtype(v)
+        if dt is not None:
+            return dt
+    return None
+
+
+def _to_fp32(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.dtype in _LOW_PRECISION else t
+
+
+class Fp32Handle:
+    """Keeps one module in FP32 until :meth:`remove` (or the end of a ``with`` block)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                f"keep_fp32 expects an nn.Module, got {type(module).__name__}; pass the layer "
+                "itself, e.g. keep_fp32(model.blocks[3].attn)"
+            )
+        self._module_ref = weakref.ref(module)
+        self._name = type(module).__name__
+        self._local = threading.local()
+        # id(tensor) -> (tensor, original dtype); tensors kept alive so ids stay unique.
+        self._upcast: dict[int, tuple[torch.Tensor, torch.dtype]] = {}
+        self._removed = False
+        self._upcast_params(module)
+        self._pre = module.register_forward_pre_hook(self._pre_hook, with_kwargs=True, prepend=True)
+        try:
+            self._post = module.register_forward_hook(
+                self._post_hook, with_kwargs=True, always_call=True, prepend=True
+            )
+        except BaseException:
+            self._pre.remove()
+            self._restore_params()
+            raise
+        logger.debug("keep_fp32: %s forced to fp32", self._name)
+
+    # -- public -------------------------------------------------------------------------
+    @property
+    def module(self) -> nn.Module | None:
+        return self._module_ref() if self._module_ref is not None else None
+
+    @property
+    def active(self) -> bool:
+        return not self._removed
+
+    def remove(self) -> None:
+        """Remove the hooks and restore parameter/buffer dtypes. Safe to call twice."""
+        if self._removed:
+            return
+        self._removed = True
+        try:
+            self._pre.remove()
+            self._post.remove()
+            stack = self._stack()
+            if stack:
+                # Removed from inside the module's own forward: its exit hook will not run.
+                logger.warning("keep_fp32 handle of %s removed during its forward; restoring autocast now",
+                               self._name)
+                while stack:
+                    self._exit_frame(stack.pop())
+        finally:
+            self._restore_params()
+
+    def __enter__(self) -> Fp32Handle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        state = "removed" if self._removed else "active"
+        return f"Fp32Handle({self._name}, {state})"
+
+    # copy.deepcopy(model) / torch.save(model) copy the hooks, hence this handle: the copy
+    # keeps running in FP32 but its handle no longer knows the (original) module.
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("_local", None)
+        state["_module_ref"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
+
+    # -- internals ----------------------------------------------------------------------
+    def _stack(self) -> list[tuple[list[torch.autocast], torch.dtype | None]]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def _upcast_params(self, module: nn.Module) -> None:
+        for t in (*module.parameters(), *module.buffers()):
+            if t.dtype not in _LOW_PRECISION:
+                continue
+            self._upcast.setdefault(id(t), (t, t.dtype))
+            with torch.no_grad():
+                t.data = t.data.float()
+                grad = t.grad if isinstance(t, nn.Parameter) else None
+                if grad is not None and grad.dtype != torch.float32:
+                    t.grad = grad.float()
+
+    def _restore_params(self) -> None:
+        with torch.no_grad():
+            for t, dtype in self._upcast.values():
+                if t.dtype == dtype:
+                    continue
+                t.data = t.data.to(dtype)
+                grad = t.grad if isinstance(t, nn.Parameter) else None
+                if grad is not None and grad.dtype != dtype:
+                    t.grad = grad.to(dtype)
+        self._upcast.clear()
+
+    @staticmethod
+    def _exit_frame(frame: tuple[list[torch.autocast], torch.dtype | None]) -> None:
+        contexts, _ = frame
+        for ctx in reversed(contexts):
+            ctx.__exit__(None, None, None)
+
+    def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self._upcast_params(module)  # cheap no-op unless someone called .half() since
+        devices = _enabled_autocast_devices()
+        cast_back = None if devices else _first_low_precision_dtype((args, kwargs))
+        contexts: list[torch.autocast] = []
+        try:
+            for dev in devices:
+                ctx = torch.autocast(dev, enabled=False)
+                ctx.__enter__()
+                contexts.append(ctx)
+            new_args = _map_floats(args, _to_fp32)
+            new_kwargs = _map_floats(kwargs, _to_fp32)
+        except BaseException:
+            self._exit_frame((contexts, None))
+            raise
+        self._stack().append((contexts, cast_back))
+        return new_args, new_kwargs
+
+    def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        stack = self._stack()
+        if not stack:  # our pre-hook did not run for this call (an earlier global pre-hook raised)
+            return None
+        frame = stack.pop()
+        self._exit_frame(frame)
+        cast_back = frame[1]
+        if cast_back is None or output is None:
+            return None
+        return _map_floats(output, lambda t: t.to(cast_back) if t.dtype == torch.float32 else t)
+
+
+class Fp32Group:
+    """Several :class:`Fp32Handle` removed together (what :func:`force_fp32` returns)."""
+
+    def __init__(self, handles: list[Fp32Handle], names: list[str]) -> None:
+        self.handles = handles
+        self.names = names
+
+    def remove(self) -> None:
+        """Remove every handle, last forced first. Safe to call twice."""
+        errors: list[BaseException] = []
+        for h in reversed(self.handles):
+            try:
+                h.remove()
+            except Exception as e:  # noqa: BLE001 - keep restoring the others
+                errors.append(e)
+        if errors:
+            raise RuntimeError(f"force_fp32: {len(errors)} module(s) failed to restore") from errors[0]
+
+    @property
+    def active(self) -> bool:
+        return any(h.active for h in self.handles)
+
+    def __enter__(self) -> Fp32Group:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def __repr__(self) -> str:
+        return f"Fp32Group({self.names})"
+
+
+def keep_fp32(module: nn.Module) -> Fp32Handle:
+    """Run ``module``'s forward in FP32 from now on: autocast disabled inside it, its
+    low-precision floating inputs cast to float32; in a pure half/bf16 model its
+    parameters and buffers become float32 and its outputs are cast back to the input dtype.
+
+    Returns a handle; ``handle.remove()`` (or leaving ``with keep_fp32(m):``) restores the
+    module exactly. Does not sync with the GPU.
+    """
+    return Fp32Handle(module)
+
+
+def resolve_modules(model: nn.Module, names: Iterable[str], *, what: str = "force_fp32") -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` for qualified names from ``model.named_modules()``, in the order given
+    (duplicates dropped). Unknown names raise ``ValueError`` listing close matches."""
+    table = dict(model.named_modules(remove_duplicate=False))
+    out = []
+    for name in dict.fromkeys(names):
+        if name not in table:
+            close = difflib.get_close_matches(name, list(table), n=5, cutoff=0.6)
+            hint = f"close matches: {close}" if close else f"some valid names: {list(table)[:8]}"
+            raise ValueError(
+                f"{what}: {type(model).__name__} has no module named {name!r}; {hint}. "
+                "Use qualified names from model.named_modules()."
+            )
+        out.append((name, table[name]))
+    return out
+
+
+def force_fp32(model: nn.Module, names: Iterable[str]) -> Fp32Group:
+    """Force the modules of ``model`` named ``names`` (qualified names from
+    ``model.named_modules()``) to FP32, as a bisect trial does. Unknown names raise
+    ``ValueError`` before anything is changed."""
+    resolved = resolve_modules(model, names)
+    handles: list[Fp32Handle] = []
+    seen: set[int] = set()
+    try:
+        for _, module in resolved:
+            if id(module) in seen:  # the same module reachable under two names
+                continue
+            seen.add(id(module))
+            handles.append(Fp32Handle(module))
+    except BaseException:
+        for h in reversed(handles):
+            h.remove()
+        raise
+    names = [n for n, _ in resolved]
+    logger.debug("force_fp32: %d module(s) forced: %s", len(handles), names)
+    return Fp32Group(handles, names)

@@ -1,0 +1,163 @@
+"""Op drill-down: the first overflowing op and its source line, and a clean removal."""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import os
+
+import pytest
+import torch
+from torch import nn
+
+from ampdoctor.bisect.drill import OpProbe, drill_down
+from ampdoctor.precision import keep_fp32
+
+AC = dict(device_type="cpu", dtype=torch.float16)
+
+
+class Attention(nn.Module):
+    """q @ k^T without the 1/sqrt(d) scale: overflows fp16 for large activations."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.q = nn.Linear(d, d)
+        self.k = nn.Linear(d, d)
+
+    def forward(self, x):
+        q, k = self.q(x), self.k(x)
+        scores = q @ k.transpose(-2, -1)
+        return torch.softmax(scores, -1)
+
+
+class SquareNorm(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.proj(x)
+        ms = (h * h).mean(-1, keepdim=True)
+        return h / torch.sqrt(ms + 1e-6)
+
+
+def line_of(obj, text: str) -> int:
+    src, start = inspect.getsourcelines(obj)
+    return start + next(i for i, line in enumerate(src) if text in line)
+
+
+def _big(linear: nn.Linear, value: float) -> None:
+    with torch.no_grad():
+        linear.weight.zero_()
+        linear.bias.fill_(value)
+
+
+def _no_probe_left(model: nn.Module) -> None:
+    assert not torch._C._is_torch_function_mode_enabled()
+    assert torch.overrides._get_current_function_mode_stack() == []
+    for m in model.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks
+        assert not m._forward_hooks_always_called
+
+
+def test_attention_matmul_is_the_producer():
+    model = nn.Sequential(nn.Linear(16, 16), Attention(16))
+    _big(model[1].q, 100.0)
+    _big(model[1].k, 100.0)  # 16 * 100 * 100 = 1.6e5 > 65504
+    with OpProbe(model, ["1"]) as probe:
+        probe.step = 7
+        with torch.autocast(**AC):
+            out = model(torch.randn(2, 4, 16))
+        out.float().sum().backward()
+    first = probe.first
+    assert first.op == "matmul" and first.phase == "forward"
+    assert first.layer == "1" and first.nonfinite and first.step == 7
+    assert first.where == f"{os.path.basename(__file__)}:{line_of(Attention.forward, 'q @ k')}"
+    assert first.path == __file__
+    assert first.overflow_count == 2 * 4 * 4 and first.dtype == "float16"
+    assert first.absmax_fp32 == pytest.approx(16 * 100.0 * 100.0)
+    assert probe.worst.op == "matmul"
+    # The softmax of inf is NaN but it is not a producer: its input was already non-finite.
+    assert not any(f.op == "softmax" and f.phase == "forward" for f in probe.findings)
+    assert any(f.phase == "backward" and f.op == "matmul" for f in probe.findings)
+    _no_probe_left(model)
+
+
+def test_norm_square_is_mul():
+    model = nn.Sequential(SquareNorm(8))
+    _big(model[0].proj, 300.0)  # 300 * 300 = 9e4 > 65504
+    with torch.autocast(**AC):
+        findings = drill_down(model, ["0"], lambda: model(torch.randn(3, 8)))
+    first = findings[0]
+    assert first.op == "mul" and first.nonfinite
+    assert first.where.endswith(f":{line_of(SquareNorm.forward, 'h * h')}")
+    _no_probe_left(model)
+
+
+def test_fp32_values_beyond_fp16_max_are_overflow():
+    model = nn.Sequential(SquareNorm(8))
+    _big(model[0].proj, 300.0)
+    with OpProbe(model, ["0"], fmt="fp16") as probe:
+        model(torch.randn(3, 8))  # fp32 run: finite, but 9e4 would be inf in fp16
+    first = probe.first
+    assert first.op == "mul" and not first.nonfinite
+    assert first.overflow_count == 3 * 8 and first.absmax == pytest.approx(9e4)
+    with OpProbe(model, ["0"], fmt="bf16") as probe:
+        model(torch.randn(3, 8))
+    assert probe.findings == []  # bf16 has fp32's range
+
+
+def test_only_inside_probed_modules_and_not_ampdoctor_ops():
+    model = nn.Sequential(SquareNorm(8), SquareNorm(8))
+    _big(model[0].proj, 300.0)
+    _big(model[1].proj, 300.0)
+    # keep_fp32's input casts are ampdoctor's ops: never recorded.
+    with keep_fp32(model[1].proj), OpProbe(model, ["1"]) as probe:
+        with torch.autocast(**AC):
+            model(torch.randn(3, 8))
+    layers = {f.layer for f in probe.findings}
+    assert layers == {"1"}
+    # linear, mul, mean, add, sqrt, truediv: keep_fp32's input cast (ampdoctor code) is not an op here.
+    assert probe.ops_seen == 6
+    assert probe.first.op == "mul" and probe.first.dtype == "float32" and not probe.first.nonfinite
+
+
+def test_nested_probed_modules_share_one_mode():
+    model = nn.Sequential(SquareNorm(8))
+    _big(model[0].proj, 300.0)
+    with torch.autocast(**AC), OpProbe(model, ["0", "0.proj"]) as probe:
+        model(torch.randn(2, 8))
+        assert not torch._C._is_torch_function_mode_enabled()
+    assert probe.first.layer == "0" and probe.first.op == "mul"
+    _no_probe_left(model)
+
+
+def test_forward_raising_leaves_no_mode():
+    class Boom(nn.Module):
+        def forward(self, x):
+            x = x * 2  # an op recorded while the mode is active
+            raise RuntimeError(f"boom {x.shape}")
+
+    model = nn.Sequential(Boom())
+    with OpProbe(model, ["0"]):
+        with pytest.raises(RuntimeError, match="boom"):
+            model(torch.ones(2))
+        assert not torch._C._is_torch_function_mode_enabled()
+    _no_probe_left(model)
+
+
+def test_deepcopy_while_probing():
+    model = nn.Sequential(SquareNorm(8))
+    with OpProbe(model, ["0"]) as probe:
+        twin = copy.deepcopy(model)
+        twin(torch.randn(2, 8))
+        assert not torch._C._is_torch_function_mode_enabled()
+    assert probe.ops_seen == 6  # the copy is probed too while the probe is open
+    twin(torch.randn(2, 8))
+    assert probe.ops_seen == 6 and not torch._C._is_torch_function_mode_enabled()
+
+
+def test_unknown_module_name():
+    model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="OpProbe: Sequential has no module named '1'"):
+        OpProbe(model, ["1"])

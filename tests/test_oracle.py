@@ -1,0 +1,162 @@
+"""The oracle on synthetic timelines (a simulated GradScaler, losses, parameter checks)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from ampdoctor.oracle import Decision, Oracle, OracleConfig
+
+NAN = float("nan")
+
+
+def scaler_timeline(overflow_steps, n, init=65536.0, growth_interval=2000):
+    """(step, scale after update, skipped) the way torch.amp.GradScaler behaves."""
+    scale, good, out = init, 0, []
+    for step in range(n):
+        skipped = step in overflow_steps
+        if skipped:
+            scale, good = scale * 0.5, 0
+        else:
+            good += 1
+            if good == growth_interval:
+                scale, good = scale * 2.0, 0
+        out.append((step, scale, skipped))
+    return out
+
+
+def run(oracle, timeline, losses=None):
+    for step, scale, skipped in timeline:
+        loss = losses[step] if losses is not None else 1.0
+        d = oracle.observe(step, loss, scale, skipped, True)
+        if d is not None:
+            return d
+    return oracle.finish()
+
+
+@pytest.mark.parametrize("warmup_skips", [3, 4, 5, 12])
+def test_healthy_warmup_is_not_a_failure(warmup_skips):
+    tl = scaler_timeline(set(range(warmup_skips)) | {200, 900}, 1000, growth_interval=100)
+    assert run(Oracle(OracleConfig()), tl) == Decision("pass", 999, None)
+
+
+def test_persistent_skipping_fails_at_first_skip_of_window():
+    # Healthy warm-up, then from step 50 every step overflows, but the scale stays above 1
+    # for a while: the skip window trips first.
+    tl = scaler_timeline(set(range(4)) | set(range(50, 100)), 100)
+    assert run(Oracle(), tl) == Decision("fail", 50, "skipped_steps")
+
+
+def test_intermittent_skipping_below_half_passes():
+    # One overflow in three steps, the scaler re-growing in between: a steady state, not a failure.
+    tl = scaler_timeline(set(range(4)) | set(range(20, 200, 3)), 200, growth_interval=2)
+    assert run(Oracle(), tl).outcome == "pass"
+
+
+def test_alternating_skips_above_half_fail():
+    overflow = set(range(4)) | {s for s in range(30, 100) if s % 4 != 0}  # 3 of every 4
+    tl = scaler_timeline(overflow, 100, init=2.0 ** 60)
+    d = run(Oracle(), tl)
+    assert d.outcome == "fail" and d.reason == "skipped_steps"
+    assert d.step == 30  # first skipped step inside the failing window
+
+
+def test_scale_collapse_reports_start_of_backoff_run():
+    cfg = OracleConfig(skip_window=10_000)  # isolate the collapse criterion
+    tl = scaler_timeline(set(range(4)) | set(range(40, 100)), 100)
+    d = run(Oracle(cfg), tl)
+    # After warm-up the scale is 4096 = 2**12; 13 more halvings fall below 1.
+    assert d == Decision("fail", 40, "scale_collapse")
+
+
+def test_warmup_that_never_ends_fails():
+    tl = scaler_timeline(set(range(100)), 100)
+    d = run(Oracle(OracleConfig(scale_floor=0.0)), tl)
+    assert d == Decision("fail", 0, "skipped_steps")
+    d = run(Oracle(), tl)
+    assert d == Decision("fail", 0, "scale_collapse")  # 65536 / 2**17 < 1 first
+
+
+def test_nan_streak_shorter_than_k_passes():
+    losses = [1.0] * 30
+    losses[10] = losses[11] = NAN
+    losses[20] = math.inf
+    o = Oracle(OracleConfig(nonfinite_k=3))
+    for s, loss in enumerate(losses):
+        assert o.observe(s, loss, None, None, None) is None
+    assert o.finish() == Decision("pass", 29, None)
+
+
+def test_nan_streak_of_k_fails_at_first_nan():
+    losses = [1.0] * 10 + [NAN] * 5
+    o = Oracle(OracleConfig(nonfinite_k=3))
+    decisions = [o.observe(s, loss) for s, loss in enumerate(losses)]
+    assert decisions[:12] == [None] * 12
+    assert decisions[12] == Decision("fail", 10, "nonfinite_loss")
+    assert decisions[13] is decisions[12]  # stays decided
+    assert o.finish() == decisions[12]
+
+
+def test_unobserved_loss_neither_extends_nor_breaks_streak():
+    o = Oracle(OracleConfig(nonfinite_k=2))
+    assert o.observe(0, NAN) is None
+    assert o.observe(1, None) is None
+    assert o.observe(2, NAN) == Decision("fail", 0, "nonfinite_loss")
+
+
+def test_nonfinite_params_fail_at_once():
+    o = Oracle()
+    assert o.observe(0, 1.0, 65536.0, False, True) is None
+    assert o.observe(1, 1.0, 65536.0, False, False) == Decision("fail", 1, "nonfinite_params")
+
+
+def test_no_scaler_observations():
+    o = Oracle()
+    for s in range(50):
+        assert o.observe(s, 2.0 - s * 0.01) is None
+    assert o.finish().outcome == "pass"
+
+
+def test_divergence_against_reference():
+    ref = {s: 2.0 * 0.97 ** s for s in range(100)}
+    good = {s: v * 1.05 for s, v in ref.items()}
+    bad = {s: (v if s < 60 else 2.0) for s, v in ref.items()}
+    cfg = OracleConfig(divergence=1.5)
+    o = Oracle(cfg, reference_losses=ref)
+    for s, v in good.items():
+        assert o.observe(s, v) is None
+    assert o.finish().outcome == "pass"
+    o = Oracle(cfg, reference_losses=ref)
+    for s, v in bad.items():
+        assert o.observe(s, v) is None
+    d = o.finish()
+    assert d.outcome == "fail" and d.reason == "divergence"
+    # 2.0 > 1.5 * ref once ref < 1.333: ref(s) = 2 * 0.97**s -> s >= 14, but the bad curve
+    # only leaves the reference at step 60.
+    assert d.step == 60
+    # Without a factor (or without a reference) divergence is not judged.
+    o = Oracle(OracleConfig(), reference_losses=ref)
+    for s, v in bad.items():
+        o.observe(s, v)
+    assert o.finish().outcome == "pass"
+
+
+def test_divergence_with_negative_losses():
+    ref = {s: -1.0 for s in range(10)}
+    o = Oracle(OracleConfig(divergence=1.5), reference_losses=ref)
+    for s in range(10):
+        o.observe(s, -0.2)  # 0.8 above a reference of magnitude 1 > 0.5
+    assert o.finish() == Decision("fail", 0, "divergence")
+
+
+def test_config_roundtrip_and_validation():
+    cfg = OracleConfig(nonfinite_k=5, divergence=2.0)
+    assert OracleConfig.from_json(cfg.to_json()) == cfg
+    assert OracleConfig.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="unknown OracleConfig keys"):
+        OracleConfig.from_dict({"nonfinite": 3})
+    with pytest.raises(ValueError, match="skip_frac=0"):
+        OracleConfig(skip_frac=0)
+    with pytest.raises(ValueError, match="nonfinite_k=0"):
+        OracleConfig(nonfinite_k=0)

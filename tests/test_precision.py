@@ -1,0 +1,241 @@
+"""keep_fp32 / force_fp32: forcing under autocast and in pure half models, exact restore."""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+from ampdoctor.precision import force_fp32, keep_fp32
+
+AC = dict(device_type="cpu", dtype=torch.float16)
+
+
+def _hook_state(m: nn.Module) -> tuple:
+    return (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._forward_hooks_with_kwargs),
+            len(m._forward_pre_hooks_with_kwargs), len(m._forward_hooks_always_called))
+
+
+class Recorder(nn.Module):
+    """Wraps a Linear and records what reached its forward."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.seen: list = []
+
+    def forward(self, x, *rest, scale=None, extra=None):
+        self.seen.append({
+            "x": x.dtype, "rest": [t.dtype for t in rest if isinstance(t, torch.Tensor)],
+            "scale": None if scale is None else scale.dtype,
+            "extra": None if extra is None else {k: v.dtype for k, v in extra.items()},
+            "autocast": torch.is_autocast_enabled("cpu"),
+        })
+        out = self.lin(x)
+        if scale is not None:
+            out = out * scale
+        return out
+
+
+def test_forced_linear_runs_fp32_under_autocast():
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8).half()
+    with torch.autocast(**AC):
+        assert lin(x).dtype == torch.float16
+        with keep_fp32(lin):
+            out = lin(x)
+            assert torch.is_autocast_enabled("cpu")  # restored after the forward
+        assert out.dtype == torch.float32
+        assert lin(x).dtype == torch.float16
+    ref = torch.nn.functional.linear(x.float(), lin.weight, lin.bias)
+    torch.testing.assert_close(out, ref)
+
+
+def test_inputs_cast_args_kwargs_nested():
+    m = Recorder()
+    x = torch.randn(2, 8).half()
+    with torch.autocast(**AC), keep_fp32(m):
+        out = m(x, torch.ones(1).half(), torch.arange(3), scale=torch.tensor(2.0).half(),
+                extra={"a": torch.ones(2).bfloat16(), "b": torch.ones(2, dtype=torch.float64)})
+    seen = m.seen[-1]
+    assert seen["x"] == torch.float32 and seen["rest"] == [torch.float32, torch.int64]
+    assert seen["scale"] == torch.float32
+    assert seen["extra"] == {"a": torch.float32, "b": torch.float64}  # never lowers precision
+    assert seen["autocast"] is False
+    assert out.dtype == torch.float32
+
+
+def test_nested_tuple_and_list_inputs():
+    class Pair(nn.Module):
+        def forward(self, pair, items):
+            return pair[0] + pair[1] + items[0]["t"]
+
+    m = Pair()
+    h = torch.ones(3).half()
+    with keep_fp32(m):
+        out = m((h, h), [{"t": h}])
+    # No autocast: inputs were half, so the output is cast back to half (pure half model).
+    assert out.dtype == torch.float16
+
+
+def test_remove_restores_exactly():
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8)
+    x = torch.randn(4, 8)
+    keys = set(vars(lin))
+    params = [id(p) for p in lin.parameters()]
+    with torch.autocast(**AC):
+        before = lin(x)
+    h = keep_fp32(lin)
+    with torch.autocast(**AC):
+        assert lin(x).dtype == torch.float32
+    h.remove()
+    h.remove()  # idempotent
+    assert not h.active
+    with torch.autocast(**AC):
+        after = lin(x)
+    assert after.dtype == before.dtype == torch.float16
+    assert torch.equal(before, after)
+    assert _hook_state(lin) == (0, 0, 0, 0, 0)
+    assert set(vars(lin)) == keys
+    assert [id(p) for p in lin.parameters()] == params
+
+
+def test_other_hooks_keep_working():
+    lin = nn.Linear(8, 8)
+    calls: list[str] = []
+    lin.register_forward_pre_hook(lambda m, a: calls.append(f"pre:{a[0].dtype}"))
+    lin.register_forward_hook(lambda m, a, o: calls.append(f"post:{o.dtype}"))
+    with torch.autocast(**AC), keep_fp32(lin):
+        lin(torch.randn(2, 8).half())
+    assert calls == ["pre:torch.float32", "post:torch.float32"]
+    assert _hook_state(lin)[:2] == (1, 1)
+
+
+def test_pure_half_model():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4)).half()
+    x = torch.randn(3, 8).half()
+    before = model(x)
+    weight = model[2].weight
+    h = keep_fp32(model[2])
+    assert model[2].weight is weight and weight.dtype == torch.float32
+    assert model[2].bias.dtype == torch.float32
+    seen = []
+    model[2].register_forward_hook(lambda m, a, o: seen.append(o.dtype))
+    out = model(x)
+    assert seen == [torch.float16]  # cast back before the rest of the model sees it
+    assert out.dtype == torch.float16
+    out.float().sum().backward()
+    assert weight.grad.dtype == torch.float32
+    h.remove()
+    assert model[2].weight is weight and weight.dtype == torch.float16
+    assert weight.grad.dtype == torch.float16
+    model.zero_grad(set_to_none=True)
+    assert torch.equal(model(x), before)
+
+
+def test_pure_half_buffers():
+    bn = nn.BatchNorm1d(4).half()
+    with keep_fp32(bn):
+        assert bn.running_mean.dtype == torch.float32
+        assert bn.num_batches_tracked.dtype == torch.int64
+        assert bn(torch.randn(5, 4).half()).dtype == torch.float16
+    assert bn.running_mean.dtype == torch.float16
+
+
+def test_reused_and_nested_modules():
+    lin = nn.Linear(8, 8)
+    outer = nn.Sequential(lin, nn.ReLU(), lin)
+    with torch.autocast(**AC):
+        with keep_fp32(lin):
+            y = lin(lin(torch.randn(2, 8)))
+            assert y.dtype == torch.float32
+            assert torch.is_autocast_enabled("cpu")
+        with keep_fp32(outer), keep_fp32(lin):
+            assert outer(torch.randn(2, 8)).dtype == torch.float32
+            assert torch.is_autocast_enabled("cpu")
+        assert outer(torch.randn(2, 8)).dtype == torch.float16
+    assert _hook_state(lin) == (0, 0, 0, 0, 0) and _hook_state(outer) == (0, 0, 0, 0, 0)
+
+
+def test_forward_raising_restores_autocast():
+    class Boom(nn.Module):
+        def forward(self, x):
+            assert not torch.is_autocast_enabled("cpu")
+            raise RuntimeError("boom")
+
+    m = Boom()
+    with torch.autocast(**AC):
+        with keep_fp32(m):
+            for _ in range(2):
+                with pytest.raises(RuntimeError, match="boom"):
+                    m(torch.ones(2))
+                assert torch.is_autocast_enabled("cpu")
+                assert torch.get_autocast_dtype("cpu") == torch.float16
+        assert torch.is_autocast_enabled("cpu")
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def test_overflowing_linear_fixed_by_keep_fp32():
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.big = nn.Linear(16, 4, bias=False)
+            self.head = nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.head(self.big(x) / 1000.0)  # the scale-down comes too late in fp16
+
+    model = Net()
+    with torch.no_grad():
+        model.big.weight.fill_(100.0)
+    # |big(x)| = 16 * 100 * 100 = 1.6e5 > 65504 (fp16 max): inf under autocast.
+    x = torch.full((2, 16), 100.0)
+    with torch.autocast(**AC):
+        assert not torch.isfinite(model(x)).all()
+        with keep_fp32(model.big):
+            out = model(x)
+    assert out.dtype == torch.float16
+    assert torch.isfinite(out).all()
+
+
+def test_force_fp32_by_name_and_errors():
+    model = nn.Sequential()
+    model.add_module("enc", nn.Sequential(nn.Linear(8, 8), nn.ReLU()))
+    model.add_module("head", nn.Linear(8, 2))
+    x = torch.randn(2, 8)
+    with torch.autocast(**AC):
+        with force_fp32(model, ["enc.0", "head", "head"]) as g:
+            assert model(x).dtype == torch.float32
+            assert model.enc[0].weight.dtype == torch.float32
+        assert not g.active
+        assert model(x).dtype == torch.float16
+    for m in model.modules():
+        assert _hook_state(m) == (0, 0, 0, 0, 0)
+    with pytest.raises(ValueError, match=r"no module named 'enc.O'; close matches: .*'enc.0'") as info:
+        force_fp32(model, ["enc.0", "enc.O"])
+    assert "named_modules" in str(info.value)
+    assert _hook_state(model.enc[0]) == (0, 0, 0, 0, 0)  # validated before anything changed
+
+
+def test_keep_fp32_rejects_non_module():
+    with pytest.raises(TypeError, match="nn.Module"):
+        keep_fp32(torch.ones(2))  # type: ignore[arg-type]
+
+
+def test_model_copies_and_saves_while_forced():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    with keep_fp32(model[1]) as h:
+        twin = copy.deepcopy(model)  # e.g. an EMA copy made after the fix
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        with torch.autocast(**AC):
+            assert twin(x).dtype == torch.float32
+    assert h.module is model[1]
+    with torch.autocast(**AC):
+        assert model(x).dtype == torch.float16
