@@ -72,14 +72,19 @@ def _ops_from(trace: Path, culprits: Sequence[str]) -> list[dict]:
 
 
 def fix_snippets(culprits: Sequence[str], types: dict[str, str], ops: list[dict]) -> list[str]:
+    import torch.nn as nn
+
     advice = []
     for c in culprits:
-        path = "model" + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in c.split(".")) if c else "model"
-        advice.append(f"Keep {c or 'the whole model'} ({types.get(c, 'module')}) in FP32: "
-                      f"ampdoctor.keep_fp32({path})")
-        advice.append(f"Plain PyTorch: in {types.get(c, 'its')}.forward wrap the body in "
-                      "`with torch.autocast(device_type, enabled=False):` and cast the inputs with `.float()` "
-                      "(or decorate forward with `@torch.amp.custom_fwd(device_type=..., cast_inputs=torch.float32)`)")
+        path = module_path(c)
+        kind = types.get(c, "module")
+        advice.append(f"Keep {c or 'the whole model'} ({kind}) in FP32: ampdoctor.keep_fp32({path})")
+        if isinstance(getattr(nn, kind, None), type):
+            advice.append(f"Plain PyTorch: where {path} is called, `with torch.autocast(device_type, enabled=False): "
+                          f"y = {path}(x.float())`")
+        else:
+            advice.append(f"Plain PyTorch: in {kind}.forward, run the body under `with torch.autocast(x.device.type, "
+                          "enabled=False):` on `x = x.float()` (and cast the result back if the next layer needs it)")
     for o in ops:
         if o.get("pick") != "first":
             continue
@@ -90,6 +95,13 @@ def fix_snippets(culprits: Sequence[str], types: dict[str, str], ops: list[dict]
             advice.append(f"{o['op']} at {o['where']} overflows (abs-max {_fmt(o['absmax'])}): compute the square in FP32 "
                           "(x.float()) or normalise by the abs-max first.")
     return advice
+
+
+def module_path(name: str, root: str = "model") -> str:
+    """``blocks.1.attn`` -> ``model.blocks[1].attn``: how users write it."""
+    if not name:
+        return root
+    return root + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in name.split("."))
 
 
 def _fmt(v: Any) -> str:

@@ -50,7 +50,7 @@ class TrialRunner:
 
     def __init__(self, script: str | None, args: Sequence[str], out: Path, *, fmt: str = "fp16", oracle: dict | None = None,
                  timeout: float | None = None, max_steps: int | None = None, python: str | None = None,
-                 env: dict | None = None):
+                 env: dict | None = None, fork: bool | None = None):
         self.script = str(Path(script).resolve()) if script is not None else ""
         self.args = list(args)
         self.out = Path(out)
@@ -62,6 +62,7 @@ class TrialRunner:
         self.env = dict(env or {})
         self.trials: list[Trial] = []
         self.reference: dict | None = None  # FP32 control losses, for the divergence criterion
+        self.fork = fork_ok() if fork is None else fork
 
     def config(self, fp32: Sequence[str], *, trace: Path, pass_after: int | None, all_modules: bool = False,
                probe: Sequence[str] = ()) -> RunConfig:
@@ -86,8 +87,11 @@ class TrialRunner:
         stdout = open(folder / "stdout.txt", "w")
         stderr = open(folder / "stderr.txt", "w")
         t0 = time.monotonic()
-        proc = subprocess.Popen([self.python, "-m", "ampdoctor._trial", self.script, *self.args], stdout=stdout,
-                                stderr=stderr, env=env, cwd=os.getcwd(), start_new_session=True)
+        if self.fork and gpu is None:
+            proc = _fork_trial(self.script, self.args, env, stdout, stderr)
+        else:
+            proc = subprocess.Popen([self.python, "-m", "ampdoctor._trial", self.script, *self.args],
+                                    stdout=stdout, stderr=stderr, env=env, cwd=os.getcwd(), start_new_session=True)
         handle = {"proc": proc, "t0": t0, "folder": folder, "fp32": list(fp32), "name": name, "index": index,
                   "files": (stdout, stderr)}
         self._running = getattr(self, "_running", []) + [handle]
@@ -186,7 +190,82 @@ def _trace_tail(path: Path) -> tuple[int | None, int]:
     return steps[first]["step"], len(steps)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def fork_ok() -> bool:
+    """Trials may be forked from this process (saving the ~1.5 s import of torch per trial) when
+    that is safe: Linux, torch imported but CUDA never initialised and no GPU visible. On GPU
+    machines every trial is a fresh interpreter, so each gets a clean CUDA context."""
+    if sys.platform != "linux" or os.environ.get("AMPDOCTOR_NO_FORK"):
+        return False
+    try:
+        import torch
+
+        if torch.cuda.is_initialized():
+            return False
+        return torch.cuda.device_count() == 0
+    except Exception:
+        return False
+
+
+class _ForkedTrial:
+    """The bits of ``subprocess.Popen`` that :meth:`TrialRunner.wait` uses, for a forked child."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.002
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired("ampdoctor trial", timeout)
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+        return self.returncode  # type: ignore[return-value]
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _fork_trial(script: str, args: list[str], env: dict, stdout: Any, stderr: Any) -> _ForkedTrial:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid:
+        return _ForkedTrial(pid)
+    code = 70
+    try:  # the child: a fresh session, its own output files, the trial's environment
+        os.setsid()
+        os.dup2(stdout.fileno(), 1)
+        os.dup2(stderr.fileno(), 2)
+        os.environ.clear()
+        os.environ.update(env)
+        from .. import _trial
+
+        code = _trial.main([script, *args])
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _kill_group(proc: Any) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
