@@ -27,10 +27,7 @@ def keep_fp32(module: Any) -> Any:
     return _keep_fp32(module)
 
 
-def bisect(train_fn: Any, **kwargs: Any) -> Any:
-    """In-process bisection of a callable that trains (see :func:`ampdoctor.bisect.api.bisect`)."""
-    from .bisect.api import bisect as _bisect
-    return _bisect(train_fn, **kwargs)
+from . import bisect  # noqa: E402  (a callable package: ampdoctor.bisect(train_fn))
 
 
 __all__ = ["watch", "Watch", "keep_fp32", "bisect", "Format", "FORMATS", "get_format", "__version__"]

@@ -11,3 +11,21 @@ from .search import Disagreement, Outcome, SearchResult, Trial, find_culprits
 
 __all__ = ["find_culprits", "SearchResult", "Trial", "Disagreement", "Outcome",
            "OpProbe", "OpFinding", "drill_down"]
+
+
+def bisect(train_fn, **kwargs):
+    """``ampdoctor.bisect(train_fn)``: see :func:`ampdoctor.bisect.api.bisect`."""
+    from .api import bisect as _bisect
+
+    return _bisect(train_fn, **kwargs)
+
+
+class _CallableModule(__import__("types").ModuleType):
+    """Importing the subpackage binds ``ampdoctor.bisect`` to it, shadowing the public function
+    of the same name; calling the package calls the function, so both spellings keep working."""
+
+    def __call__(self, train_fn, **kwargs):
+        return bisect(train_fn, **kwargs)
+
+
+__import__("sys").modules[__name__].__class__ = _CallableModule

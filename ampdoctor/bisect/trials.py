@@ -170,19 +170,26 @@ class TrialRunner:
 
 
 def _trace_tail(path: Path) -> tuple[int | None, int]:
-    """(step of the last non-finite loss if the last recorded loss is non-finite, steps recorded)."""
+    """(first step of the non-finite streak the run ended in, steps recorded): the last loss was
+    non-finite, or the last step's forward outputs held NaN/Inf (a script that raises on a NaN
+    loss before calling backward)."""
     if not path.exists():
         return None, 0
     try:
         with TraceReader(path) as r:
             steps = r.steps()
+            acts = r.stats(kind="activation")
     except Exception:
         return None, 0
     if not steps:
         return None, 0
+    last_step = steps[-1]["step"]
     last = steps[-1]["loss"]
     bad = last is not None and not math.isfinite(last)
     if not bad:
+        tail = [a for a in acts if a["step"] == last_step]
+        if tail and any(a["nan"] or a["posinf"] or a["neginf"] for a in tail):
+            return last_step, len(steps)
         return None, len(steps)
     first = len(steps) - 1
     while first > 0 and steps[first - 1]["loss"] is not None and not math.isfinite(steps[first - 1]["loss"]):

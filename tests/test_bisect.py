@@ -1,0 +1,106 @@
+"""bisect end to end: the fixtures' expected verdicts and culprits, trial classification, the API."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ampdoctor.bisect.trials import TrialRunner
+
+ROOT = Path(__file__).parent.parent
+FIXTURES = ROOT / "fixtures"
+SCRIPTS = Path(__file__).parent / "scripts"
+EXPECTED = json.loads((FIXTURES / "EXPECTED.json").read_text()) if (FIXTURES / "EXPECTED.json").exists() else {}
+
+
+def bisect(*args, timeout=600):
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("AMPDOCTOR_CONFIG", None)
+    return subprocess.run([sys.executable, "-m", "ampdoctor", "bisect", *map(str, args)], capture_output=True,
+                          text=True, cwd=ROOT, env=env, timeout=timeout)
+
+
+def _cases():
+    for key, exp in EXPECTED.items():
+        if key.startswith("_") or not isinstance(exp, dict) or "verdict" not in exp:
+            continue
+        yield pytest.param(key, exp, id=key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key,exp", list(_cases()))
+def test_fixture_verdict_and_culprits(tmp_path, key, exp):
+    script = exp.get("script") or key.split()[0]
+    out = tmp_path / "b"
+    p = bisect("--out", out, "--json", tmp_path / "r.json", FIXTURES / script, "--", *exp.get("args", []))
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["verdict"] == exp["verdict"], (p.stdout, p.stderr)
+    assert sorted(res["culprits"]) == sorted(exp.get("culprits") or []), p.stdout
+    assert p.returncode == {"culprit": 0, "healthy": 0, "error": 1, "not_precision": 3, "inconclusive": 4}[exp["verdict"]]
+    assert f"verdict: {exp['verdict']}" in p.stdout
+    for t in res["trials"]:
+        assert set(t) >= {"fp32", "outcome", "step", "seconds"}
+    if exp["verdict"] == "culprit":
+        assert res["failure"]["reason"] in ("nonfinite_loss", "nonfinite_params", "scale_collapse", "skipped_steps")
+        assert res["ops"] and all(":" in o["where"] for o in res["ops"])
+        assert any("ampdoctor.keep_fp32(model" in a for a in res["advice"])
+        assert (out / "report.json").exists()
+    if exp["verdict"] == "error":
+        assert res.get("error") and "Traceback (most recent call last)" not in p.stdout
+
+
+def test_missing_script_is_usage_error(tmp_path):
+    p = bisect(tmp_path / "nope.py")
+    assert p.returncode == 2 and "script not found" in p.stderr
+
+
+def test_trial_classification(tmp_path):
+    r = TrialRunner(str(SCRIPTS / "raises_on_nan.py"), [], tmp_path, oracle={}, timeout=60)
+    t = r.run("nan-raise", [], pass_after=None)
+    assert t.outcome == "fail" and t.reason == "nonfinite_loss" and "raised after the loss" in t.error
+    r = TrialRunner(str(SCRIPTS / "raises.py"), [], tmp_path / "2", oracle={}, timeout=60)
+    t = r.run("crash", [], pass_after=None)
+    assert t.outcome == "error" and "boom" in t.error
+    r = TrialRunner(str(SCRIPTS / "hangs.py"), [], tmp_path / "3", oracle={}, timeout=5)
+    t = r.run("hang", [], pass_after=None)
+    assert t.outcome == "timeout" and t.seconds < 30
+    r = TrialRunner(str(SCRIPTS / "no_training.py"), [], tmp_path / "4", oracle={}, timeout=60)
+    assert r.run("idle", [], pass_after=None).outcome == "error"
+
+
+def test_trial_in_fresh_interpreter(tmp_path):
+    r = TrialRunner(str(SCRIPTS / "raises_on_nan.py"), [], tmp_path, oracle={}, timeout=120, fork=False)
+    t = r.run("spawned", [], pass_after=None)
+    assert t.outcome == "fail"
+    assert (tmp_path / "trials" / "00-spawned" / "stderr.txt").exists()
+
+
+def test_python_api_bisect(tmp_path):
+    import torch
+    from torch import nn
+
+    import ampdoctor
+
+    def train():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 1))
+        with torch.no_grad():
+            model[2].weight.mul_(60)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu")
+        for step in range(60):
+            x = torch.randn(8, 8) * (1 + step) * 60
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+
+    res = ampdoctor.bisect(train, out=tmp_path)
+    assert res["verdict"] == "culprit" and res["culprits"] == ["2"], res
+    assert (tmp_path / "bisect.json").exists()
+    assert len(res["trials"]) <= 5
