@@ -29,5 +29,4 @@ def keep_fp32(module: Any) -> Any:
 
 from . import bisect  # noqa: E402  (a callable package: ampdoctor.bisect(train_fn))
 
-
 __all__ = ["watch", "Watch", "keep_fp32", "bisect", "Format", "FORMATS", "get_format", "__version__"]

@@ -14,7 +14,6 @@ import os
 import queue
 import sqlite3
 import threading
-import time
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 

@@ -177,7 +177,6 @@ class Watch:
 
     def _make_wgrad(self, lid: int, pname: str):
         s = self.session
-        calls = [0]
 
         def hook(p: torch.Tensor) -> None:
             if self._removed or s.closed or not s.recording or p.grad is None:

@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 import torch.optim.optimizer as optim_mod
+from helpers import Attn, SquareNorm, train
 from torch import nn
 from torch.nn.modules import module as module_mod
 
 import ampdoctor
 from ampdoctor.trace import TraceReader
-from helpers import Attn, SquareNorm, train
 
 
 def _global_state():
@@ -62,7 +62,7 @@ def test_context_manager_and_records_everything(tmp_path):
     assert all(s["scale"] is not None for s in steps)
     kinds = {s["kind"] for s in r.stats()}
     assert kinds == {"activation", "gradient", "weight", "weight_grad"}
-    names = {l["id"]: l["name"] for l in r.layers()}
+    names = {lay["id"]: lay["name"] for lay in r.layers()}
     act_layers = {names[s["layer"]] for s in r.stats(kind="activation")}
     assert act_layers == {"0", "1", "2", "3", "4"}  # leaves only by default
     lin = [s for s in r.stats(kind="activation") if names[s["layer"]] == "0"]
@@ -145,7 +145,7 @@ def test_tuple_dict_int_outputs(tmp_path):
     with ampdoctor.watch(inner, trace=str(tmp_path / "t.sqlite"), all_modules=True):
         train(inner, 2, loss_fn=lambda out: out[1]["logits"].float().pow(2).mean() + out[0].float().mean())
     r = TraceReader(tmp_path / "t.sqlite")
-    names = {l["id"]: l["name"] for l in r.layers()}
+    names = {lay["id"]: lay["name"] for lay in r.layers()}
     slots = {(names[s["layer"]], s["slot"]) for s in r.stats(kind="activation")}
     assert ("", "0") in slots and ("", "1.logits") in slots
     assert not any(s.endswith("ids") or s.endswith("count") for _, s in slots)
@@ -169,7 +169,7 @@ def test_int_and_empty_outputs_do_not_crash(tmp_path):
     r = TraceReader(tmp_path / "t.sqlite")
     notes = [e for e in r.events("note")]
     assert any("holds no tensor" in e["detail"]["message"] for e in notes)
-    names = {l["id"]: l["name"] for l in r.layers()}
+    names = {lay["id"]: lay["name"] for lay in r.layers()}
     empty = [s for s in r.stats(kind="activation") if names[s["layer"]] == "e"]
     assert empty and empty[0]["numel"] == 0
 
@@ -205,7 +205,7 @@ def test_first_nonfinite_in_a_container_own_op(tmp_path):
     r = TraceReader(tmp_path / "a.sqlite")
     ev = [e for e in r.events("first_nonfinite") if e["detail"]["kind"] == "activation"]
     assert ev[0]["layer"] == "1", ev  # the attention module, not its finite q/k Linear children
-    names = {l["id"]: l["name"] for l in r.layers()}
+    names = {lay["id"]: lay["name"] for lay in r.layers()}
     q = [s for s in r.stats(kind="activation") if names[s["layer"]] == "1.q"]
     assert q and q[0]["nan"] == 0 and q[0]["posinf"] == 0
 
@@ -240,7 +240,7 @@ def test_wrapped_models_are_unwrapped(tmp_path):
     with ampdoctor.watch(wrapped, trace=str(tmp_path / "t.sqlite")):
         train(wrapped, 1)
     r = TraceReader(tmp_path / "t.sqlite")
-    assert {l["name"] for l in r.layers()} >= {"0", "2", "4"}
+    assert {lay["name"] for lay in r.layers()} >= {"0", "2", "4"}
     assert any("DistributedDataParallel" in e["detail"]["message"] for e in r.events("note"))
 
 

@@ -38,7 +38,6 @@ def read_baseline(trace: str | Path) -> Baseline:
         events = r.events("first_nonfinite")
     layers.sort(key=lambda lay: lay["ord"])
     names = [lay["name"] for lay in layers]
-    name_set = set(names)
     # which modules produced low-precision outputs (directly, or through a descendant)
     low: set[str] = set()
     overflow: dict[str, float] = {}

@@ -1,0 +1,211 @@
+"""Fused multi-tensor statistics for CUDA tensors (Triton): the rows of
+:func:`ampdoctor.stats.tensor_stats`, bit for bit, for many tensors in two or three launches.
+
+Why it is exact: nothing is computed in floating point. Each element is classified from its
+bit pattern (sign, exponent field, mantissa field), so no rounding, flush-to-zero or NaN
+ordering can creep in:
+
+* ``floor(log2|x|)`` comes from the exponent field (subnormals: from the mantissa's leading bit);
+  the exponent histogram, ``subnormal`` (bins ``min_exp .. normal_exp-1``) and
+  ``flush_to_zero`` (the *under* bin) follow from it, since the format's limits are powers of two;
+* ``overflow`` (``|x| > fmt.max``) compares the magnitude bits with the bits of the largest value
+  of the input dtype that is ``<= fmt.max`` (same-sign floats order like their bit patterns);
+* min/max/absmax/nzmin are reduced as integers (``key = ±magnitude bits``) and turned into float64
+  at the end by integer arithmetic and one exact power-of-two multiply.
+
+Every element lands in one bin of a small per-block histogram (``tl.histogram``): the exponent
+bins, plus bins for zero, NaN, +Inf, -Inf and "overflowing values of the top exponent bin", so a
+block does one histogram and four integer reductions. Stage 1 writes per-chunk partials (no float
+atomics, deterministic); stage 2, one program per tensor, folds its chunks and writes the float64
+row. The one difference from the torch path: a minimum or maximum of zero is ``+0.0`` even where
+the torch path may return ``-0.0`` (equal as numbers).
+
+Triton is imported on first use only (never at package import, never on CPU-only machines).
+:func:`install` sets :func:`fused_batch_stats` as the backend of :func:`ampdoctor.stats.batch_stats`;
+tensors it does not handle (fp8, other devices) get their rows from the torch path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from functools import cache
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from . import stats as _stats
+from .formats import Format
+
+log = logging.getLogger(__name__)
+
+__all__ = ["available", "install", "uninstall", "fused_batch_stats"]
+
+ENV_DISABLE = "AMPDOCTOR_FUSED"  # "0" turns the fused path off (the torch path is used)
+
+_BLOCK = 1024            # elements per inner iteration of a stage-1 program
+_CHUNK = 16 * _BLOCK     # elements per stage-1 program (one partial row each)
+_CB = 16                 # chunks folded per iteration of stage 2
+_MAX_NUMEL = 2 ** 31 - 1  # per-chunk histogram counts are int32
+
+# dtype -> (kind, bits, mantissa bits, exponent bias)
+_KINDS = {
+    torch.float16: (0, 16, 10, 15),
+    torch.bfloat16: (1, 16, 7, 127),
+    torch.float32: (2, 32, 23, 127),
+    torch.float64: (3, 64, 52, 1023),
+}
+_INT_VIEW = {16: torch.int16, 32: torch.int32, 64: torch.int64}
+
+_state: dict[str, Any] = {"kernels": None, "error": None}
+
+
+def _inf_bits(bits: int, mbits: int) -> int:
+    ebits = bits - 1 - mbits
+    return ((1 << ebits) - 1) << mbits
+
+
+def _bits_of(value: float, dtype: torch.dtype) -> int:
+    """Magnitude bits of the largest value of ``dtype`` that is ``<= value`` (value >= 0)."""
+    _, bits, mbits, _ = _KINDS[dtype]
+    t = torch.tensor(value, dtype=torch.float64).to(dtype)  # round to nearest
+    b = int(t.view(_INT_VIEW[bits]).item()) & ((1 << (bits - 1)) - 1)
+    if float(t.to(torch.float64)) > value:
+        b -= 1  # positive floats: one step down in bits is one step down in value
+    return min(b, _inf_bits(bits, mbits) - 1)
+
+
+def _hist_bins(fmt: Format) -> int:
+    """Power-of-two histogram width: ``n_bins`` exponent bins, 5 class bins, one dump bin."""
+    need = fmt.n_bins + 6
+    p = 1
+    while p < need:
+        p *= 2
+    return p
+
+
+def _build_kernels() -> dict:
+    from . import _stats_triton as k
+    return {"stage1": k.stage1, "stage2": k.stage2}
+
+
+def _kernels() -> dict | None:
+    if _state["kernels"] is None and _state["error"] is None:
+        try:
+            _state["kernels"] = _build_kernels()
+        except Exception as e:  # Triton missing or broken: the torch path stays
+            _state["error"] = f"{type(e).__name__}: {e}"
+            log.info("ampdoctor: fused CUDA statistics unavailable (%s); using the torch path", _state["error"])
+    return _state["kernels"]
+
+
+def available() -> bool:
+    """Whether the fused path can run here: CUDA present, Triton importable, not disabled."""
+    if os.environ.get(ENV_DISABLE, "1") == "0":
+        return False
+    if not torch.cuda.is_available():
+        return False
+    return _kernels() is not None
+
+
+def install() -> bool:
+    """Make :func:`fused_batch_stats` the backend of :func:`ampdoctor.stats.batch_stats`, if
+    :func:`available` and no other backend is set. Returns whether it is installed."""
+    if _stats._backend is fused_batch_stats:
+        return True
+    if _stats._backend is not None or not available():
+        return False
+    _stats.set_backend(fused_batch_stats)
+    return True
+
+
+def uninstall() -> None:
+    if _stats._backend is fused_batch_stats:
+        _stats.set_backend(None)
+
+
+@cache
+def _consts(fmt: Format, dtype: torch.dtype) -> dict:
+    kind, bits, mbits, bias = _KINDS[dtype]
+    return dict(KIND=kind, MBITS=mbits, BIAS=bias, INF=_inf_bits(bits, mbits), BMAX=_bits_of(fmt.max, dtype),
+                NB=fmt.n_bins, MIN_EXP=fmt.min_exp, P=_hist_bins(fmt))
+
+
+def _to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
+    host = torch.from_numpy(arr)
+    if device.type != "cuda":
+        return host.to(device)
+    # pinned + non_blocking: no host sync; the caching host allocator keeps the block until the copy ran
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def fused_batch_stats(tensors: Sequence[torch.Tensor], fmt: Format, *, _allow_cpu: bool = False) -> torch.Tensor | None:
+    """Rows of ``tensors`` (all on one CUDA device), shape ``(N, row_width(fmt))``, float64.
+    Returns ``None`` (the caller falls back to the torch path) when the tensors are not on one
+    CUDA device or Triton is unavailable. Never syncs with the device."""
+    if not tensors:
+        return None
+    dev = tensors[0].device
+    if (dev.type != "cuda" and not _allow_cpu) or any(t.device != dev for t in tensors):
+        return None
+    kern = _kernels()
+    if kern is None:
+        return None
+    width = _stats.row_width(fmt)
+    n = len(tensors)
+    out = torch.empty((n, width), dtype=torch.float64, device=dev)
+    groups: dict[torch.dtype, list[int]] = {}
+    other: list[int] = []
+    views: list[torch.Tensor | None] = [None] * n
+    for i, t in enumerate(tensors):
+        x = t.detach()
+        if x.dtype not in _KINDS or x.numel() > _MAX_NUMEL:
+            other.append(i)
+            continue
+        if not x.is_contiguous():
+            x = x.contiguous()
+        if x.numel() and x.data_ptr() % 16:
+            x = x.clone()  # keep every pointer 16-byte aligned (one kernel specialisation)
+        views[i] = x
+        groups.setdefault(x.dtype, []).append(i)
+    if groups:
+        order = [i for g in groups.values() for i in g]
+        numel = np.array([views[i].numel() for i in order], dtype=np.int64)
+        nchunk = (numel + _CHUNK - 1) // _CHUNK
+        first = np.zeros(len(order), dtype=np.int64)
+        np.cumsum(nchunk[:-1], out=first[1:])
+        total = int(nchunk.sum())
+        chunk_t = np.repeat(np.arange(len(order), dtype=np.int64), nchunk)
+        chunk_s = (np.arange(total, dtype=np.int64) - np.repeat(first, nchunk)) * _CHUNK
+        addr = np.array([views[i].data_ptr() for i in order], dtype=np.int64)
+        kind = np.array([_KINDS[views[i].dtype][0] for i in order], dtype=np.int64)
+        row = np.array(order, dtype=np.int64)
+        m = len(order)
+        # one host-to-device copy; every segment starts 16-byte aligned (one kernel specialisation)
+        parts = [addr, numel, first, nchunk, row, kind, chunk_t, chunk_s]
+        sizes = [len(a) + (len(a) & 1) for a in parts]
+        buf = np.zeros(sum(sizes), dtype=np.int64)
+        offs = np.concatenate([[0], np.cumsum(sizes)])
+        for a, o in zip(parts, offs):
+            buf[o:o + len(a)] = a
+        meta = _to_device(buf, dev)
+        d_addr, d_numel, d_first, d_nchunk, d_row, d_kind, d_chunk_t, d_chunk_s = (
+            meta[o:o + len(a)] for a, o in zip(parts, offs))
+        p = _hist_bins(fmt)
+        hist = torch.empty((max(total, 1), p), dtype=torch.int32, device=dev)
+        keys = torch.empty((max(total, 1), 4), dtype=torch.int64, device=dev)
+        pos = 0
+        for dtype, idx in groups.items():
+            c0, c1 = int(first[pos]), int(first[pos + len(idx) - 1] + nchunk[pos + len(idx) - 1])
+            pos += len(idx)
+            if c1 > c0:
+                kern["stage1"][(c1 - c0,)](
+                    d_addr, d_numel, d_chunk_t, d_chunk_s, hist, keys, c0,
+                    CHUNK=_CHUNK, BLOCK=_BLOCK, num_warps=4, **_consts(fmt, dtype))
+        kern["stage2"][(m,)](hist, keys, d_first, d_nchunk, d_numel, d_row, d_kind, out,
+                             W=width, NB=fmt.n_bins, MIN_EXP=fmt.min_exp, NORMAL_EXP=fmt.normal_exp,
+                             P=p, CB=_CB, num_warps=4)
+    for i in other:
+        out[i] = _stats.tensor_stats(tensors[i], fmt)
+    return out
