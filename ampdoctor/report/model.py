@@ -255,8 +255,8 @@ def _pick_first_nonfinite(events: list[dict], decision: Any) -> dict | None:
     elif grads and decision is not None and decision.reason in ("skipped_steps", "scale_collapse"):
         at = [e for e in grads if decision.step is None or e["step"] >= decision.step]
         pick = at[0] if at else grads[-1]
-    elif firsts:
-        pick = firsts[0]
+    elif firsts and decision is not None:
+        pick = firsts[0]  # a GradScaler's overflow at an ordinary backoff is not news for a healthy run
     if pick is None:
         return None
     d = dict(pick["detail"])

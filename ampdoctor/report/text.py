@@ -51,7 +51,8 @@ def select_rows(report: Report, kind: str, *, sort: str = "order", top: int | No
 def render_text(report: Report, *, kinds: Sequence[str] = DEFAULT_KINDS, sort: str = "order", top: int | None = None,
                 only_bad: bool = False, match: str | None = None, width: int = 120) -> str:
     buf = io.StringIO()
-    con = Console(file=buf, width=width, force_terminal=False, color_system=None, highlight=False, emoji=False)
+    con = Console(file=buf, width=width, force_terminal=False, force_jupyter=False, color_system=None,
+                  highlight=False, emoji=False)
     fmt = report.fmt
     d = report.diagnosis
     con.print(f"ampdoctor report  trace={report.trace}")

@@ -1,0 +1,214 @@
+"""Advice: the loss-scale advisor against closed forms and applied to a real fixture, GradScaler
+health, the culprit's fix, readiness phrasing."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from report_helpers import fp32_trace, overflow_trace, synthetic_trace
+
+from ampdoctor.report import build_report
+from ampdoctor.report.advice import (
+    loss_scale_analysis,
+    loss_scale_range,
+    module_expr,
+    readiness,
+    scaler_health,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "fixtures"
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.pop("AMPDOCTOR_CONFIG", None)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _final_loss(out: str) -> float:
+    m = re.search(r"final loss (\S+)", out)
+    assert m, out[-2000:]
+    return float(m.group(1))
+
+
+def _fixture_constants(name: str) -> dict:
+    text = (FIXTURES / name).read_text()
+    return {k: float(v) for k, v in re.findall(r"^([A-Z_]+) = ([0-9.e+-]+)", text, flags=re.M)}
+
+
+# -- closed forms on synthetic traces -------------------------------------------------------------------
+def test_loss_scale_range_closed_form(tmp_path):
+    # 1000 gradient values in binade -10 as recorded at scale 2**10: unscaled binade -20.
+    # no overflow: -20 + 1 + k <= log2(65504) -> k <= 34; normal: -20 + k >= -14 -> k >= 6.
+    p = synthetic_trace(tmp_path / "t.sqlite", grad_exps=[(-10, 1000)], scales=[2.0 ** 10] * 4)
+    rep = build_report(p)
+    a = loss_scale_analysis(rep)
+    assert (a.k_lo, a.k_hi, a.top_exp) == (6, 34, -20)
+    assert a.steps_used == 4 and a.values == 4000
+    lo, hi, rec = loss_scale_range(rep)
+    assert (lo, hi) == (2.0 ** 6, 2.0 ** 34)
+    assert lo <= rec <= hi and rec == 2.0 ** 20
+
+
+def test_loss_scale_range_allows_one_percent_underflow(tmp_path):
+    # 5 of 1000 values two binades lower than the rest: under the 1% allowance, so they do not set lo.
+    p = synthetic_trace(tmp_path / "t.sqlite", grad_exps=[(-22, 5), (-20, 995)], scales=[None] * 3)
+    a = loss_scale_analysis(build_report(p))
+    assert a.k_lo == 6
+    p2 = synthetic_trace(tmp_path / "t2.sqlite", grad_exps=[(-22, 20), (-20, 980)], scales=[None] * 3)
+    assert loss_scale_analysis(build_report(p2)).k_lo == 8
+
+
+def test_loss_scale_infeasible_flags_wide_layers(tmp_path):
+    p = synthetic_trace(tmp_path / "t.sqlite", grad_exps=[(-24, 500), (10, 500)], scales=[None] * 2)
+    rep = build_report(p)
+    a = loss_scale_analysis(rep)
+    assert not a.feasible and a.too_wide == ["lin"] and a.spans["lin"] == 35
+    assert loss_scale_range(rep) is None
+    text = "\n".join(rep.advice)
+    assert "No single static loss scale" in text and "lin (35 binades)" in text
+
+
+def test_unscaling_uses_the_scale_of_the_step_before(tmp_path):
+    # scale after update: 2**16 at step 0, 2**15 at step 1 (skipped), 2**15 after.
+    # step 1's backward ran with 2**16, step 2's with 2**15. Skipped steps are left out.
+    p = synthetic_trace(tmp_path / "t.sqlite", grad_exps=[(-4, 100)], scales=[2.0 ** 16, 2.0 ** 15, 2.0 ** 15],
+                        skipped=[0, 1, 0])
+    a = loss_scale_analysis(build_report(p))
+    assert a.steps_used == 2
+    # step 0: -4 - 16 = -20; step 2: -4 - 15 = -19 -> top -19
+    assert a.top_exp == -19 and a.k_hi == 15 - (-19) - 1
+
+
+@pytest.mark.parametrize("scales,skipped,state", [
+    ([2.0 ** 16] * 30, [0] * 30, "healthy"),
+    ([2.0 ** 15, 2.0 ** 14, 2.0 ** 13] + [2.0 ** 13] * 27, [1, 1, 1] + [0] * 27, "startup"),
+    ([2.0 ** (16 - i) for i in range(30)], [1] * 30, "collapse"),
+    ([2.0 ** 16] * 10 + [2.0 ** 15] * 20, [0] * 10 + [0 if i % 3 == 2 else 1 for i in range(20)], "persistent"),
+    ([2.0 ** (16 + i) for i in range(30)], [0] * 30, "huge"),
+])
+def test_scaler_health(tmp_path, scales, skipped, state):
+    p = synthetic_trace(tmp_path / "t.sqlite", grad_exps=[(-4, 10)], scales=scales, skipped=skipped)
+    rep = build_report(p)
+    h = scaler_health(rep)
+    assert h.state == state
+    assert h.skipped == sum(skipped)
+    assert any("GradScaler" in a for a in rep.advice)
+
+
+def test_module_expr():
+    assert module_expr("blocks.1.attn") == "model.blocks[1].attn"
+    assert module_expr("net.2") == "model.net[2]"
+    assert module_expr("") == "model"
+    assert module_expr("a.<b>") == "model.get_submodule('a.<b>')"
+
+
+# -- real traces ---------------------------------------------------------------------------------------
+def test_overflow_model_advice_names_the_fix(tmp_path):
+    rep = build_report(overflow_trace(tmp_path / "t.sqlite"))
+    text = "\n".join(rep.advice)
+    assert "`ampdoctor.keep_fp32(model.mid)`" in text
+    assert "torch.autocast(x.device.type, enabled=False)" in text
+    assert "6.29e+04" in text or "abs-max" in text
+
+
+def test_bisect_culprits_and_attention_drilldown_win(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    overflow_trace(run / "trace.sqlite")
+    (run / "bisect.json").write_text(json.dumps({
+        "verdict": "culprit", "culprits": ["blocks.1.attn"], "failure": {"step": 4, "reason": "nonfinite_loss"},
+        "ops": [{"layer": "blocks.1.attn", "op": "aten.matmul", "where": "model.py:42", "absmax": 1.2e5},
+                {"layer": "blocks.1.attn", "op": "aten._softmax", "where": "model.py:44", "absmax": 1.0}],
+        "trials": []}))
+    text = "\n".join(build_report(run).advice)
+    assert "`ampdoctor.keep_fp32(model.blocks[1].attn)`" in text and "bisect verified" in text
+    assert "model.py:42" in text and "1/sqrt(head_dim)" in text and "1.20e+05" in text
+
+
+@pytest.mark.parametrize("fmt,gain", [("fp16", 2e5), ("bf16", 1e39), ("fp8_e4m3fn", 1e3), ("fp8_e5m2", 1e5)])
+def test_readiness_phrasing(tmp_path, fmt, gain):
+    from ampdoctor import FORMATS
+    if fmt not in FORMATS:
+        pytest.skip(f"torch has no {fmt}")
+    rep = build_report(fp32_trace(tmp_path / "t.sqlite", fmt, gain))
+    ready = readiness(rep)
+    assert ready is not None and ready["format"] == FORMATS[fmt].name
+    text = "\n".join(rep.advice)
+    assert f"Would overflow in {FORMATS[fmt].name} (max {FORMATS[fmt].max:.6g}): outputs of 1 " in text, text
+    assert "no autocast" in text and "`ampdoctor.keep_fp32(model[1])`" in text
+
+
+def test_readiness_is_off_for_autocast_runs(tmp_path):
+    assert readiness(build_report(overflow_trace(tmp_path / "t.sqlite"))) is None
+
+
+@pytest.mark.slow
+def test_grad_underflow_loss_scale_range_trains(tmp_path):
+    """fixtures/grad_underflow.py stalls at --loss-scale 1 (fp16 gradients flush to zero). A readiness run
+    (every layer forced to FP32 through the trial configuration, measured against fp16) gives the loss-scale
+    range; the recommended scale and both ends, applied with --loss-scale, train below TRAINS_BELOW."""
+    script = FIXTURES / "grad_underflow.py"
+    consts = _fixture_constants("grad_underflow.py")
+    trains_below = consts["TRAINS_BELOW"]
+
+    # the autocast run: the gradients are all zero, and the advice says so with the least scale that helps
+    auto = tmp_path / "auto"
+    subprocess.run([sys.executable, "-m", "ampdoctor", "run", "--out", str(auto), str(script)], env=_env(),
+                   check=True, capture_output=True, text=True, timeout=300)
+    auto_text = "\n".join(build_report(auto).advice)
+    assert "was exactly 0" in auto_text and "2**11" in auto_text
+
+    # the readiness run
+    trace = tmp_path / "fp32" / "trace.sqlite"
+    env = _env()
+    env["AMPDOCTOR_CONFIG"] = json.dumps({"trace": str(trace), "format": "fp16", "force_fp32": ["net"]})
+    subprocess.run([sys.executable, str(script)], env=env, check=True, capture_output=True, text=True, timeout=300)
+    rep = build_report(trace)
+    rng = loss_scale_range(rep)
+    assert rng is not None, rep.advice
+    lo, hi, rec = rng
+    assert 1.0 < lo <= rec <= hi
+    assert any(a.startswith("Would underflow in fp16") for a in rep.advice)
+    k = int(math.log2(rec))
+    assert any(f"init_scale={2 ** k if 0 <= k <= 24 else f'2.0**{k}'}," in a for a in rep.advice)
+
+    def final(scale: float) -> float:
+        out = subprocess.run([sys.executable, str(script), "--loss-scale", repr(scale)], env=_env(), check=True,
+                             capture_output=True, text=True, timeout=300).stdout
+        return _final_loss(out)
+
+    assert final(1.0) > consts["STALLS_ABOVE"]  # the fixture does stall without a scale
+    for scale in (rec, lo, hi):
+        assert final(scale) < trains_below, f"loss scale {scale:g} from {rng} did not train"
+
+
+@pytest.mark.slow
+def test_overflow_fixture_advice_names_the_culprit(tmp_path):
+    out = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "ampdoctor", "run", "--out", str(out), str(FIXTURES / "linear_overflow.py")],
+                   env=_env(), check=True, capture_output=True, text=True, timeout=300)
+    rep = build_report(out)
+    text = "\n".join(rep.advice)
+    assert "`ampdoctor.keep_fp32(model.net[2])`" in text
+    assert "65504" in text  # the recorded numbers are quoted
+    assert (out / "report.html").exists()
+
+
+def test_not_precision_verdict_drops_the_fp32_fix(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    overflow_trace(run / "trace.sqlite")
+    (run / "bisect.json").write_text(json.dumps({"verdict": "not_precision", "culprits": [], "trials": []}))
+    text = "\n".join(build_report(run).advice)
+    assert "keep_fp32" not in text.split("Gradients of")[0]
+    assert "not a precision problem" in text

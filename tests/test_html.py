@@ -1,0 +1,145 @@
+"""The HTML report: one self-contained file, every section, data: images only, names escaped; CSV too."""
+
+from __future__ import annotations
+
+import csv
+import json
+from html.parser import HTMLParser
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from report_helpers import ODD_NAME, fp32_trace, overflow_trace
+
+from ampdoctor.cli import main as cli
+from ampdoctor.report import build_report
+from ampdoctor.report.csvout import CSV_COLUMNS, write_csv
+from ampdoctor.report.html import SECTION_IDS, render_html, write_html
+
+BISECT = {
+    "verdict": "culprit", "culprits": ["mid"], "failure": {"step": 4, "reason": "nonfinite_loss"},
+    "first_nonfinite": {"layer": "mid", "kind": "activation", "step": 4},
+    "ops": [{"layer": "mid", "op": "linear<b>", "where": "model.py:42", "absmax": None, "nonfinite": True,
+             "phase": "forward", "pick": "first"}],
+    "trials": [{"fp32": [], "outcome": "fail", "step": 4, "seconds": 1.5},
+               {"fp32": ["mid"], "outcome": "pass", "step": None, "seconds": 1.2}],
+    "fp32_control_losses": {"0": 1.0, "1": 0.9, "2": 0.8},
+}
+
+
+class _Page(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.ids: set[str] = set()
+        self.imgs: list[str] = []
+        self.refs: list[str] = []
+        self.scripts = 0
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if "id" in a:
+            self.ids.add(a["id"])
+        if tag == "img":
+            self.imgs.append(a.get("src", ""))
+        if tag == "script":
+            self.scripts += 1
+            assert "src" not in a
+        if tag == "link":
+            self.refs.append(a.get("href", ""))
+        for k in ("href", "src"):
+            if k in a and tag != "img":
+                self.refs.append(a[k])
+
+    def handle_data(self, data):
+        self.text.append(data)
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("run")
+    overflow_trace(d / "trace.sqlite")
+    return d
+
+
+def _parse(text: str) -> _Page:
+    p = _Page()
+    p.feed(text)
+    p.close()
+    return p
+
+
+def test_html_is_self_contained_with_every_section(run_dir, tmp_path):
+    rep = build_report(run_dir)
+    out = tmp_path / "sub" / "report.html"
+    write_html(rep, out)
+    text = out.read_text(encoding="utf-8")
+    page = _parse(text)
+    for sid in SECTION_IDS:
+        assert sid in page.ids, sid
+    for pid in ("plot-timeline", "plot-heatmap-activation", "plot-heatmap-gradient", "plot-hist-activation",
+                "plot-hist-gradient", "plot-dtypes", "layers-activation", "layers-gradient"):
+        assert pid in page.ids, pid
+    assert len(page.imgs) >= 6
+    assert all(src.startswith("data:image/png;base64,") for src in page.imgs)
+    assert "http://" not in text and "https://" not in text and "//cdn" not in text
+    assert all(r.startswith("#") for r in page.refs), page.refs
+    assert page.scripts == 1  # ours: the table sorter
+    body = "".join(page.text)
+    assert "keep_fp32(model.mid)" in body and "Per-layer table" in body
+
+
+def test_names_are_escaped(run_dir):
+    rep = build_report(run_dir)
+    assert any(r.layer == ODD_NAME for r in rep.layers)
+    rep.diagnosis.lines.append("evil <img src=x onerror=alert(1)> & co")
+    rep.notes.append("<b>bold</b>")
+    text = render_html(rep)
+    assert ODD_NAME not in text
+    assert "&lt;script&gt;alert(&#x27;x&#x27;)&lt;/script&gt;" in text
+    assert "<img src=x" not in text and "evil &lt;img src=x onerror=alert(1)&gt; &amp; co" in text
+    assert "<b>bold</b>" not in text
+    page = _parse(text)
+    assert page.scripts == 1
+    assert ODD_NAME in "".join(page.text)  # shown to the reader as text
+
+
+def test_bisect_verdict_section(run_dir, tmp_path):
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "trace.sqlite").write_bytes((run_dir / "trace.sqlite").read_bytes())
+    (d / "bisect.json").write_text(json.dumps(BISECT))
+    text = render_html(build_report(d))
+    page = _parse(text)
+    body = "".join(page.text)
+    assert "culprit" in body and "model.py:42" in body and "Trials (2)" in body
+    assert "linear&lt;b&gt;" in text and "bisect verified" in body
+    assert "step 4: nonfinite_loss" in body
+
+
+def test_readiness_heading(tmp_path):
+    text = render_html(build_report(fp32_trace(tmp_path / "t.sqlite", "fp16", 2e5)))
+    body = "".join(_parse(text).text)
+    assert "fp16 readiness" in body and "would overflow in fp16" in body
+
+
+def test_csv_has_every_kind(run_dir, tmp_path):
+    rep = build_report(run_dir)
+    out = tmp_path / "t.csv"
+    write_csv(rep, out)
+    with open(out, newline="", encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    assert tuple(rows[0].keys()) == CSV_COLUMNS
+    assert len(rows) == len(rep.layers)
+    assert {r["kind"] for r in rows} == {"activation", "gradient", "weight", "weight_grad"}
+    mid = next(r for r in rows if r["layer"] == "mid" and r["kind"] == "activation")
+    assert mid["headroom_bits"] == "-inf" and mid["first_bad_step"] == "4"
+    assert any(r["layer"] == ODD_NAME for r in rows)
+
+
+def test_cli_report_writes_html_and_csv(run_dir, tmp_path):
+    html_path, csv_path = tmp_path / "r.html", tmp_path / "r.csv"
+    res = CliRunner().invoke(cli, ["report", str(run_dir), "--html", str(html_path), "--csv", str(csv_path)])
+    assert res.exit_code == 0, res.output
+    assert html_path.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
+    assert csv_path.read_text(encoding="utf-8").startswith("kind,layer,")
