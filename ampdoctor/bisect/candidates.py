@@ -17,7 +17,7 @@ class Baseline:
     parent: dict[str, str | None]
     hints: list[str]                      # most likely culprits first
     first_nonfinite: dict | None
-    low_precision: set[str] = field(default_factory=set)
+    low_precision: set[str] = field(default_factory=set)  # modules whose outputs were half precision
     types: dict[str, str] = field(default_factory=dict)
 
 
@@ -52,15 +52,9 @@ def read_baseline(trace: str | Path) -> Baseline:
         overflow[n] = overflow.get(n, 0) + s["overflow"] + s["posinf"] + s["neginf"] + s["nan"]
         if s["absmax"]:
             headroom[n] = min(headroom.get(n, math.inf), math.log2(65504.0 / s["absmax"]))
-    covered = set(low)
-    for n in list(low):
-        p = n
-        while p:
-            p = p.rpartition(".")[0]
-            covered.add(p)
-    recorded = {by_id[s["layer"]]["name"] for s in acts if s["layer"] in by_id}
-    # keep modules that ran in low precision, contain one, or were not recorded (containers)
-    cands = [n for n in names if n in covered or n not in recorded]
+    # Every module that ran is a candidate: one with half-precision inputs may compute in fp16 and
+    # still return fp32 (an fp32 parameter promotes the result), so output dtypes cannot rule it out.
+    cands = list(names)
     cset = set(cands)
     parent = {n: _parent_of(n, cset) for n in cands}
     hints: list[str] = []
