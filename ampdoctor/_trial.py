@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = RunConfig.from_env()
     out = os.environ.get("AMPDOCTOR_TRIAL_RESULT")
     if cfg is None or not out or not argv:
-        print("ampdoctor._trial is started by `ampdoctor bisect`, not by hand", file=sys.stderr)
+        print("ampdoctor._trial is started by `ampdoctor bisect`/`run --nproc-per-node`, not by hand", file=sys.stderr)
         return 2
     try:
         res = run_script(argv[0], argv[1:], cfg)
@@ -34,14 +34,21 @@ def main(argv: list[str] | None = None) -> int:
             "decision": None if res.decision is None else {
                 "outcome": res.decision.outcome, "step": res.decision.step, "reason": res.decision.reason},
         }
+    rank = os.environ.get("RANK", "0")
+    out = out.replace("{rank}", rank)
+    data["rank"] = int(rank) if rank.isdigit() else 0
     tmp = out + ".tmp"
     with open(tmp, "w") as f:
         json.dump(data, f)
     os.replace(tmp, out)
     sys.stdout.flush()
     sys.stderr.flush()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and data.get("status") == "stopped":
+        return STOPPED_UNDER_TORCHRUN  # non-zero: torchrun then stops the other ranks too
     return 0
 
+
+STOPPED_UNDER_TORCHRUN = 75
 
 if __name__ == "__main__":
     # os._exit: skip interpreter teardown of the user's objects (atexit already ran in run_script's close)

@@ -100,12 +100,15 @@ def _write_outputs(report, json_path: str | None, html_path: str | None, csv_pat
 @click.option("--every", type=click.IntRange(min=1), default=1, show_default=True, help="Record full statistics every N steps.")
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Stop the script cleanly after N steps.")
 @click.option("--all-modules", is_flag=True, help="Statistics for container modules too, not only leaves.")
+@click.option("--nproc-per-node", "nproc", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Launch through torchrun with N processes (DDP scripts); one trace per rank.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the report as JSON here.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help="Also write the HTML report here.")
 @_report_options
 @click.argument("script", type=click.Path())
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
-def run(out, fmt, every, max_steps, all_modules, json_path, html_path, sort, top, only_bad, match, kinds, script, script_args):
+def run(out, fmt, every, max_steps, all_modules, nproc, json_path, html_path, sort, top, only_bad, match, kinds, script,
+        script_args):
     """Run SCRIPT once under watch; write a trace and print the per-layer report.
 
     Options go before SCRIPT; everything after SCRIPT (or after `--`) is the script's own.
@@ -121,6 +124,10 @@ def run(out, fmt, every, max_steps, all_modules, json_path, html_path, sort, top
     cfg = RunConfig(trace=str(out_dir / "trace.sqlite"), format=fmt.lower(), every=every, max_steps=max_steps,
                     all_modules=all_modules)
     click.echo(f"ampdoctor: running {script} (trace in {out_dir})", err=True)
+    if nproc > 1:
+        _run_torchrun(script, _script_args(script_args), cfg, out_dir, nproc, (sort, top, only_bad, match, kinds),
+                      json_path, html_path)
+        return
     try:
         result = run_script(script, _script_args(script_args), cfg)
     except ScriptNotFound as e:
@@ -142,6 +149,35 @@ def run(out, fmt, every, max_steps, all_modules, json_path, html_path, sort, top
                    "script runs its training loop with these arguments (pass them after the script name).", err=True)
         sys.exit(result.exit_code or EXIT_NEVER_TRAINED)
     sys.exit(result.exit_code)
+
+
+def _run_torchrun(script, args, cfg, out_dir: Path, nproc: int, table, json_path, html_path) -> None:
+    """``run --nproc-per-node N``: every rank runs the script under its own session."""
+    import os
+    import subprocess
+
+    from .launch import read_rank_results, torchrun_command
+    from .report import build_report
+
+    env = dict(os.environ, AMPDOCTOR_CONFIG=cfg.to_env(), AMPDOCTOR_TRIAL_RESULT=str(out_dir / "result.rank{rank}.json"))
+    proc = subprocess.run(torchrun_command(nproc, str(Path(script).resolve()), args), env=env)
+    results = read_rank_results(out_dir)
+    if not results:
+        raise click.ClickException(f"torchrun exited with status {proc.returncode} before any rank ran the script; "
+                                   "see its output above")
+    report = build_report(out_dir)
+    _print_report(report, *table)
+    _write_outputs(report, json_path, html_path, None, out_dir)
+    click.echo(f"run folder: {out_dir}  ({len(results)} rank trace(s); `ampdoctor report {out_dir} --rank N`)")
+    r0 = results.get(0, next(iter(results.values())))
+    crashed = {r: d for r, d in results.items() if d.get("status") == "crashed"}
+    for rank, d in sorted(crashed.items()):
+        click.echo(f"ampdoctor: rank {rank} raised {d.get('error')}\n{d.get('traceback') or ''}", err=True)
+    if crashed:
+        sys.exit(1)
+    if r0.get("status") == "stopped":
+        sys.exit(0)
+    sys.exit(int(r0.get("exit_code") or 0))
 
 
 @main.command()

@@ -183,11 +183,20 @@ def hist_from_blob(blob: bytes | None) -> np.ndarray:
     return np.frombuffer(blob, dtype="<i8").copy()
 
 
+def _rank_of(p: Path) -> tuple[int, str]:
+    """``trace.sqlite`` is rank 0, ``trace.rankN.sqlite`` rank N."""
+    parts = p.name.split(".")
+    for part in parts:
+        if part.startswith("rank") and part[4:].isdigit():
+            return int(part[4:]), p.name
+    return 0, p.name
+
+
 def find_traces(path: str | os.PathLike) -> list[Path]:
     """Trace files of a run: the file itself, or every ``trace*.sqlite`` in a run folder."""
     p = Path(path)
     if p.is_dir():
-        files = sorted(p.glob("trace*.sqlite"))
+        files = sorted(p.glob("trace*.sqlite"), key=_rank_of)
         if not files:
             raise FileNotFoundError(f"no trace*.sqlite in {p}; pass a run folder made by `ampdoctor run` or a .sqlite trace")
         return files

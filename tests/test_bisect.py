@@ -104,3 +104,10 @@ def test_python_api_bisect(tmp_path):
     assert res["verdict"] == "culprit" and res["culprits"] == ["2"], res
     assert (tmp_path / "bisect.json").exists()
     assert len(res["trials"]) <= 5
+
+
+@pytest.mark.slow
+def test_bisect_through_torchrun(tmp_path):
+    p = bisect("--out", tmp_path / "b", "--json", tmp_path / "r.json", "--nproc-per-node", "2", SCRIPTS / "ddp_overflow.py")
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["verdict"] == "culprit" and res["culprits"] == ["2"], p.stdout + p.stderr

@@ -103,3 +103,19 @@ def test_run_format_option(tmp_path, fmt):
     p = amp("run", "--out", out, "--format", fmt, "--max-steps", "2", SCRIPTS / "no_watch_overflow.py")
     assert p.returncode == 0, p.stderr
     assert TraceReader(out / "trace.sqlite").meta()["format"] == fmt
+
+
+@pytest.mark.slow
+def test_run_under_torchrun_one_trace_per_rank(tmp_path):
+    out = tmp_path / "ddp"
+    env_steps = dict(os.environ, STEPS="12")
+    p = subprocess.run([sys.executable, "-m", "ampdoctor", "run", "--out", str(out), "--nproc-per-node", "2",
+                        str(SCRIPTS / "ddp_overflow.py")], capture_output=True, text=True, cwd=ROOT, env=env_steps,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert (out / "trace.sqlite").exists() and (out / "trace.rank1.sqlite").exists()
+    report = json.loads((out / "report.json").read_text())
+    assert report["diagnosis"]["first_nonfinite"]["layer"] == "2"
+    assert any(n.startswith("rank 1 (trace.rank1.sqlite): Training broke") for n in report["notes"])
+    r1 = amp("report", out, "--rank", "1")
+    assert r1.returncode == 0 and "trace.rank1.sqlite" in r1.stdout

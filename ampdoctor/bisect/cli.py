@@ -77,11 +77,14 @@ def _summary(res: dict) -> str:
 @click.option("--skip-frac", type=float, default=None, help="Fail when more than this fraction of the last W steps were skipped.")
 @click.option("--divergence", type=float, default=None,
               help="Also fail when the final loss is worse than the FP32 control's by this factor (runs the control first).")
+@click.option("--nproc-per-node", "nproc", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Launch every trial through torchrun with N processes (DDP scripts).")
 @click.option("--no-drill", is_flag=True, help="Skip the op-level drill-down run.")
+@click.option("--no-hints", is_flag=True, help="Do not start from the layer the baseline trace blames (pure group testing).")
 @click.argument("script", type=click.Path())
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def bisect_command(out, json_path, fmt, jobs, repeat, timeout, max_steps, margin, max_trials, nonfinite_k, scale_floor,
-                   skip_window, skip_frac, divergence, no_drill, script, script_args):
+                   skip_window, skip_frac, divergence, nproc, no_drill, no_hints, script, script_args):
     """Find the smallest set of layers whose FP32 cast makes SCRIPT stop breaking.
 
     Options go before SCRIPT; everything after it (or after `--`) is the script's own.
@@ -102,7 +105,8 @@ def bisect_command(out, json_path, fmt, jobs, repeat, timeout, max_steps, margin
         raise click.BadParameter(str(e)) from None
     out_dir = Path(out) if out else default_out(script, "bisect")
     opts = BisectOptions(fmt=fmt.lower(), oracle=oracle, timeout=timeout, max_steps=max_steps, margin=margin, jobs=jobs,
-                         repeat=repeat, drill=not no_drill, max_trials=max_trials, divergence=divergence)
+                         repeat=repeat, drill=not no_drill, max_trials=max_trials, divergence=divergence,
+                         use_hints=not no_hints, nproc=nproc)
     click.echo(f"ampdoctor bisect: {script} (run folder {out_dir})", err=True)
     res = run_bisect(script, _script_args(script_args), out_dir, opts, progress=_progress)
     click.echo(_summary(res))

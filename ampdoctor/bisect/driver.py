@@ -37,6 +37,8 @@ class BisectOptions:
     drill: bool = True
     max_trials: int | None = None
     divergence: float | None = None
+    use_hints: bool = True            # try the layer the baseline trace blames first
+    nproc: int = 1                    # launch every trial through torchrun with this many ranks
 
 
 def _gpus() -> int:
@@ -120,7 +122,7 @@ def run_bisect(script: str | None, args: Sequence[str], out: Path, opts: BisectO
         oracle.divergence = opts.divergence
     if runner is None:
         runner = TrialRunner(script, args, out, fmt=opts.fmt, oracle=oracle.to_dict(), timeout=opts.timeout,
-                             max_steps=opts.max_steps)
+                             max_steps=opts.max_steps, nproc=opts.nproc)
     result: dict[str, Any] = {"verdict": "error", "culprits": [], "failure": None, "first_nonfinite": None, "ops": [],
                               "trials": [], "advice": [], "script": str(script), "args": list(args), "out": str(out)}
 
@@ -170,8 +172,9 @@ def run_bisect(script: str | None, args: Sequence[str], out: Path, opts: BisectO
     root_set = frozenset(n for n in bl.candidates if bl.parent.get(n) is None)
     known: dict[frozenset, str] = {frozenset(): "fail"}
     first = [("all-fp32", sorted(root_set))]
-    if bl.hints:
-        first.append(("hint-" + (bl.hints[0] or "root"), [bl.hints[0]]))
+    hints = bl.hints if opts.use_hints else []
+    if hints:
+        first.append(("hint-" + (hints[0] or "root"), [hints[0]]))
     gpus = _gpus()
     jobs = max(1, opts.jobs)
     if jobs > 1:
@@ -187,7 +190,7 @@ def run_bisect(script: str | None, args: Sequence[str], out: Path, opts: BisectO
         t = record(_run(runner, name.replace("/", "_"), order, pass_after, reference))
         return t.outcome
 
-    sr = find_culprits(bl.candidates, test, parent=bl.parent, hints=bl.hints, repeat=opts.repeat,
+    sr = find_culprits(bl.candidates, test, parent=bl.parent, hints=hints, repeat=opts.repeat,
                        known=known, max_trials=opts.max_trials)
     notes = list(sr.notes)
     if sr.verdict != "culprit":

@@ -50,7 +50,7 @@ class TrialRunner:
 
     def __init__(self, script: str | None, args: Sequence[str], out: Path, *, fmt: str = "fp16", oracle: dict | None = None,
                  timeout: float | None = None, max_steps: int | None = None, python: str | None = None,
-                 env: dict | None = None, fork: bool | None = None):
+                 env: dict | None = None, fork: bool | None = None, nproc: int = 1):
         self.script = str(Path(script).resolve()) if script is not None else ""
         self.args = list(args)
         self.out = Path(out)
@@ -62,7 +62,8 @@ class TrialRunner:
         self.env = dict(env or {})
         self.trials: list[Trial] = []
         self.reference: dict | None = None  # FP32 control losses, for the divergence criterion
-        self.fork = fork_ok() if fork is None else fork
+        self.nproc = max(1, int(nproc))
+        self.fork = (fork_ok() if fork is None else fork) and self.nproc == 1
 
     def config(self, fp32: Sequence[str], *, trace: Path, pass_after: int | None, all_modules: bool = False,
                probe: Sequence[str] = ()) -> RunConfig:
@@ -80,7 +81,7 @@ class TrialRunner:
         (folder / "config.json").write_text(cfg.to_env())
         env = dict(os.environ, **self.env)
         env["AMPDOCTOR_CONFIG"] = cfg.to_env()
-        env["AMPDOCTOR_TRIAL_RESULT"] = str(folder / "result.json")
+        env["AMPDOCTOR_TRIAL_RESULT"] = str(folder / ("result.json" if self.nproc == 1 else "result.rank{rank}.json"))
         env["PYTHONUNBUFFERED"] = "1"
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
@@ -90,7 +91,11 @@ class TrialRunner:
         if self.fork and gpu is None:
             proc = _fork_trial(self.script, self.args, env, stdout, stderr)
         else:
-            proc = subprocess.Popen([self.python, "-m", "ampdoctor._trial", self.script, *self.args],
+            cmd = [self.python, "-m", "ampdoctor._trial", self.script, *self.args]
+            if self.nproc > 1:
+                from ..launch import torchrun_command
+                cmd = torchrun_command(self.nproc, self.script, self.args, self.python)
+            proc = subprocess.Popen(cmd,
                                     stdout=stdout, stderr=stderr, env=env, cwd=os.getcwd(), start_new_session=True)
         handle = {"proc": proc, "t0": t0, "folder": folder, "fp32": list(fp32), "name": name, "index": index,
                   "files": (stdout, stderr)}
@@ -140,6 +145,8 @@ class TrialRunner:
         folder = handle["folder"]
         base = dict(index=handle["index"], name=handle["name"], fp32=handle["fp32"], seconds=seconds, folder=str(folder))
         result_file = folder / "result.json"
+        if not result_file.exists() and (folder / "result.rank0.json").exists():
+            result_file = folder / "result.rank0.json"  # under torchrun rank 0 speaks for the run
         data = json.loads(result_file.read_text()) if result_file.exists() else None
         last_loss_bad, steps = _trace_tail(folder / "trace.sqlite")
         if timed_out:

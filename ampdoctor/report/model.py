@@ -264,6 +264,23 @@ def _pick_first_nonfinite(events: list[dict], decision: Any) -> dict | None:
     return d
 
 
+def _other_ranks(files: list[Path], shown: Path) -> list[str]:
+    """One line per other rank's trace: did it break, where (the merged view of a torchrun run)."""
+    notes = []
+    for f in files:
+        if f == shown:
+            continue
+        try:
+            with TraceReader(f) as r:
+                meta, timeline, events = r.meta(), r.steps(), r.events()
+        except (OSError, ValueError) as e:
+            notes.append(f"{f.name}: unreadable ({e})")
+            continue
+        d = _diagnose(timeline, events, meta)
+        notes.append(f"rank {meta.get('rank', '?')} ({f.name}): " + " ".join(d.lines[:2]))
+    return notes
+
+
 def build_report(path: str | Path, *, rank: int = 0) -> Report:
     """Read a trace file (or a run folder's rank-``rank`` trace) into a :class:`Report`."""
     files = find_traces(path)
@@ -280,6 +297,8 @@ def build_report(path: str | Path, *, rank: int = 0) -> Report:
     diagnosis = _diagnose(timeline, events, meta)
     report = Report(trace=str(trace), format=fmt.name, meta=meta, diagnosis=diagnosis, layers=rows,
                     timeline=timeline, events=[e for e in events if e["kind"] != "grad_nonfinite"][:200], notes=notes)
+    if len(files) > 1:
+        report.notes.extend(_other_ranks(files, trace))
     bisect_json = Path(path) / "bisect.json" if Path(path).is_dir() else None
     if bisect_json is not None and bisect_json.exists():
         try:
