@@ -21,7 +21,7 @@ class AutoWatch:
         self._roots: list[Any] = []
         self._handle = register_module_forward_pre_hook(self._pre)
 
-    def _pre(self, module: nn.Module, args: Any) -> None:
+    def _pre(self, module: nn.Module, args: Any) -> Any:
         if id(module) in self._known or self.session.closed:
             return
         from .watch import Watch, unwrap_model, watched_root
@@ -40,12 +40,26 @@ class AutoWatch:
         if next(module.parameters(), None) is None:
             self._known.add(id(module))  # loss functions and other parameter-free callables
             return
-        prefix = "" if not self._roots else f"{type(root).__name__.lower()}{len(self._roots)}."
+        prefix = "" if not self._roots else self._prefix_for(root)
         w = Watch(module, self.session, all_modules=self.session.config.all_modules, prefix=prefix)
         self._roots.append(w)
         self._known.update(id(m) for m in root.modules())
         self._known.add(id(module))
         log.info("ampdoctor: watching %s automatically%s", type(root).__name__, f" as {prefix}" if prefix else "")
+        if w._fp32 is not None and module is root:
+            # this first call is past the root's own pre-hooks: force it by hand (pure .half() models
+            # need their inputs cast to float32 right now, since the parameters already are)
+            return w._fp32.enter_call_late(module, args)
+        return None
+
+    def _prefix_for(self, root: nn.Module) -> str:
+        """Names of a second model are ``Class:name`` (``D:net.2``): the class says which object."""
+        base = type(root).__name__
+        taken = {w.prefix for w in self._roots}
+        prefix, k = f"{base}:", 2
+        while prefix in taken:
+            prefix, k = f"{base}#{k}:", k + 1
+        return prefix
 
     def remove(self) -> None:
         if self._handle is not None:

@@ -287,6 +287,16 @@ class Fp32Group:
     def active(self) -> bool:
         return any(h.active for h in self.handles)
 
+    def enter_call_late(self, module: nn.Module, args: tuple) -> tuple | None:
+        """For a call already past its own pre-hooks (the root, found by a global pre-hook at its
+        first call): run the forcing pre-hook by hand and return the cast args; the post-hook,
+        registered by then, closes it. ``None`` when ``module`` is not forced here."""
+        for h in self.handles:
+            if h.module is module and h.active:
+                new_args, _ = h._pre_hook(module, args, {})
+                return new_args
+        return None
+
     def __enter__(self) -> Fp32Group:
         return self
 

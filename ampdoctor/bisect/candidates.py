@@ -22,12 +22,17 @@ class Baseline:
 
 
 def _parent_of(name: str, names: set[str]) -> str | None:
-    if name == "":
+    """The nearest executed ancestor; ``Class:`` prefixes (second models) are roots of their own."""
+    owner, sep, local = name.rpartition(":")
+    owner = owner + sep
+    if local == "":
         return None
-    p = name.rpartition(".")[0]
-    while p and p not in names:
+    p = local.rpartition(".")[0]
+    while p and owner + p not in names:
         p = p.rpartition(".")[0]
-    return p if p in names else ("" if "" in names else None)
+    if p and owner + p in names:
+        return owner + p
+    return owner if owner in names else None
 
 
 def read_baseline(trace: str | Path) -> Baseline:

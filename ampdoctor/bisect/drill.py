@@ -27,6 +27,8 @@ This is a diagnostic run: it syncs with the device for every op inside the probe
 
 from __future__ import annotations
 
+import math
+
 import logging
 import os
 import sys
@@ -106,6 +108,18 @@ def _tensors(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, dict):
         return [t for v in obj.values() for t in _tensors(v)]
     return []
+
+
+def _nonfinite_scalar(obj: Any) -> bool:
+    """A Python number that is itself Inf/NaN (``masked_fill(mask, float("-inf"))``): the op was
+    asked for that value, it did not overflow."""
+    if isinstance(obj, float):
+        return not math.isfinite(obj)
+    if isinstance(obj, (list, tuple)):
+        return any(_nonfinite_scalar(v) for v in obj)
+    if isinstance(obj, dict):
+        return any(_nonfinite_scalar(v) for v in obj.values())
+    return False
 
 
 def _user_frame() -> Optional[tuple[str, int]]:
@@ -255,8 +269,8 @@ class OpProbe:
         for t in outs:
             d = decode_row(tensor_stats(t, self.fmt).tolist(), self.fmt)
             bad = d["nan"] + d["posinf"] + d["neginf"]
-            producer = bad > 0 and all(bool(torch.isfinite(x).all()) for x in _tensors((args, kwargs))
-                                       if x.is_floating_point())
+            producer = bad > 0 and not _nonfinite_scalar((args, kwargs)) and all(
+                bool(torch.isfinite(x).all()) for x in _tensors((args, kwargs)) if x.is_floating_point())
             finding = self._finding(layer, op, loc, d, producer, str(t.dtype).replace("torch.", ""), "forward")
             if producer and t.dtype != torch.float32 and not any(k in op for k in _NO_RECOMPUTE) \
                     and not op.endswith("_") and "out" not in kwargs:

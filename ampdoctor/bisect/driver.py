@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from ..naming import module_expr
 from ..oracle import OracleConfig
 from ..trace import TraceReader
 from .candidates import Baseline, read_baseline
@@ -78,7 +79,7 @@ def fix_snippets(culprits: Sequence[str], types: dict[str, str], ops: list[dict]
 
     advice = []
     for c in culprits:
-        path = module_path(c)
+        path = module_expr(c)
         kind = types.get(c, "module")
         advice.append(f"Keep {c or 'the whole model'} ({kind}) in FP32: ampdoctor.keep_fp32({path})")
         if isinstance(getattr(nn, kind, None), type):
@@ -97,13 +98,6 @@ def fix_snippets(culprits: Sequence[str], types: dict[str, str], ops: list[dict]
             advice.append(f"{o['op']} at {o['where']} overflows (abs-max {_fmt(o['absmax'])}): compute the square in FP32 "
                           "(x.float()) or normalise by the abs-max first.")
     return advice
-
-
-def module_path(name: str, root: str = "model") -> str:
-    """``blocks.1.attn`` -> ``model.blocks[1].attn``: how users write it."""
-    if not name:
-        return root
-    return root + "".join(f"[{p}]" if p.isdigit() else f".{p}" for p in name.split("."))
 
 
 def _fmt(v: Any) -> str:
@@ -208,6 +202,12 @@ def run_bisect(script: str | None, args: Sequence[str], out: Path, opts: BisectO
         ops = _ops_from(Path(d.folder) / "trace.sqlite", culprits)
     result["ops"] = ops
     result["advice"] = fix_snippets(culprits, bl.types, ops)
+    if opts.drill:
+        for c in culprits:
+            if not any(o["layer"] == c or o["layer"].startswith(c + ".") or c == "" for o in ops if o["phase"] == "forward"):
+                notes.append(f"no op inside {c or 'the model'} overflowed in the drill-down: forcing it may help only by "
+                             "making its output FP32 for the layers after it (type promotion); look at where the values "
+                             "grow next (the report's first non-finite producer)")
     return finish("culprit", notes=notes)
 
 

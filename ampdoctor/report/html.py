@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from .model import KIND_TITLES, LayerRow, Report
-from .text import _bits, _num, _pct
+from .phrasing import fmt_bits as _bits
+from .phrasing import fmt_num as _num
+from .phrasing import fmt_pct as _pct
 
 log = logging.getLogger(__name__)
 

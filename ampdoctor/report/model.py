@@ -199,6 +199,12 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict) -> Diagnosis
     if decision is None and param_events:
         from types import SimpleNamespace
         decision = SimpleNamespace(outcome="fail", step=param_events[0]["step"], reason="nonfinite_params")
+    fwd_events = [e for e in events if e["kind"] == "first_nonfinite" and e["detail"].get("kind") == "activation"]
+    if decision is None and meta.get("status") == "crashed" and fwd_events:
+        # the script raised after its forward went non-finite (`if loss.isnan(): raise`): the loss of
+        # that last step never reached backward, but the outputs say what happened
+        from types import SimpleNamespace
+        decision = SimpleNamespace(outcome="fail", step=fwd_events[0]["step"], reason="nonfinite_loss")
     fn = _pick_first_nonfinite(events, decision)
     skipped = sum(1 for t in timeline if t["skipped"])
     lines = []
@@ -231,6 +237,10 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict) -> Diagnosis
                          "(it produced NaN/Inf from finite inputs; later layers only propagate it).")
     if skipped:
         lines.append(f"GradScaler skipped {skipped} of {len(timeline)} steps.")
+    ran = meta.get("activation_dtype")
+    if ran and ran != meta.get("format_dtype"):
+        lines.append(f"Activations ran in {ran} but the numbers are measured against {meta.get('format')}: "
+                     f"rerun with --format {'bf16' if ran == 'bfloat16' else 'fp16'} to judge them by what they are.")
     if status == "crashed":
         lines.append(f"The script raised: {meta.get('error', '?')}")
     elif status == "running":
@@ -294,6 +304,10 @@ def build_report(path: str | Path, *, rank: int = 0) -> Report:
         events = reader.events()
     notes = [e["detail"].get("message", "") if e["layer"] is None else f"{e['layer']}: {e['detail'].get('message', '')}"
              for e in events if e["kind"] == "note"]
+    meta["format_dtype"] = str(fmt.dtype).replace("torch.", "")
+    low = [r for r in rows if r.kind == "activation" and r.dtype in ("float16", "bfloat16")]
+    if low:
+        meta["activation_dtype"] = max(("float16", "bfloat16"), key=lambda d: sum(r.numel for r in low if r.dtype == d))
     diagnosis = _diagnose(timeline, events, meta)
     report = Report(trace=str(trace), format=fmt.name, meta=meta, diagnosis=diagnosis, layers=rows,
                     timeline=timeline, events=[e for e in events if e["kind"] != "grad_nonfinite"][:200], notes=notes)

@@ -3,35 +3,15 @@
 from __future__ import annotations
 
 import io
-import math
 from typing import Sequence
 
 from rich.console import Console
 from rich.table import Table
 
 from .model import KIND_TITLES, LayerRow, Report
+from .phrasing import fmt_bits, fmt_num, fmt_pct
 
 DEFAULT_KINDS = ("activation", "gradient")
-
-
-def _num(v: float) -> str:
-    if v == 0:
-        return "0"
-    if not math.isfinite(v):
-        return "inf" if v > 0 else "-inf"
-    return f"{v:.3g}" if 1e-3 <= abs(v) < 1e5 else f"{v:.2e}"
-
-
-def _pct(v: float) -> str:
-    if v == 0:
-        return "-"
-    return f"{v:.3g}%" if v >= 0.001 else "<0.001%"
-
-
-def _bits(v: float) -> str:
-    if math.isinf(v):
-        return "inf" if v > 0 else "-inf"
-    return f"{v:+.1f}"
 
 
 def select_rows(report: Report, kind: str, *, sort: str = "order", top: int | None = None,
@@ -79,8 +59,8 @@ def render_text(report: Report, *, kinds: Sequence[str] = DEFAULT_KINDS, sort: s
             table.add_column(col, justify=just, no_wrap=(col != "layer"))
         for r in rows:
             calls = f" x{r.calls}" if r.calls > 1 else ""
-            table.add_row(r.layer + calls, r.type, r.dtype, _num(r.absmax), _bits(r.headroom_bits), _pct(r.overflow_pct),
-                          _pct(r.subnormal_pct), _pct(r.flush_pct), str(r.nan) if r.nan else "-",
+            table.add_row(r.layer + calls, r.type, r.dtype, fmt_num(r.absmax), fmt_bits(r.headroom_bits), fmt_pct(r.overflow_pct),
+                          fmt_pct(r.subnormal_pct), fmt_pct(r.flush_pct), str(r.nan) if r.nan else "-",
                           str(r.inf) if r.inf else "-", "-" if r.first_bad_step is None else str(r.first_bad_step))
         con.print(table)
     if report.advice:

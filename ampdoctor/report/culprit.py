@@ -1,0 +1,123 @@
+"""The culprit: which layers to keep in FP32 (bisect's verdict, else the first producer of a
+non-finite value), the recorded numbers that make them culprits, and the fix; plus the attention
+matmul that bisect found overflowing first."""
+
+from __future__ import annotations
+
+import math
+
+from .model import LayerRow, Report
+from .phrasing import fmt_num, module_expr
+
+__all__ = ["MATMUL_OPS", "culprits", "culprit_advice", "attention_advice"]
+
+MATMUL_OPS = ("matmul", "bmm", "baddbmm", "mm", "addmm", "linear", "einsum", "scaled_dot_product_attention")
+
+
+def culprits(report: Report) -> tuple[list[str], str]:
+    """The layers to keep in FP32 and where that came from: bisect's verified culprits, else the
+    first producer of a non-finite value (when it produced it from finite inputs)."""
+    b = report.bisect or {}
+    if b.get("verdict") == "culprit" and b.get("culprits"):
+        return list(b["culprits"]), "bisect"
+    if b.get("verdict") in ("not_precision", "healthy"):
+        return [], ""  # bisect showed that forcing FP32 is not the fix
+    fn = report.diagnosis.first_nonfinite
+    if fn and not fn.get("input_nonfinite") and not fn.get("from_loss") and fn.get("layer") is not None:
+        return [fn["layer"] or "(root)"], "first_nonfinite"
+    return [], ""
+
+
+def _row(report: Report, layer: str, kind: str) -> LayerRow | None:
+    return next((r for r in report.layers if r.layer == layer and r.kind == kind), None)
+
+
+def _evidence(report: Report, layer: str) -> str:
+    """The recorded numbers that make ``layer`` the culprit."""
+    fmt = report.fmt
+    bits = []
+    fn = report.diagnosis.first_nonfinite or {}
+    kinds = [fn["kind"]] if fn.get("layer") == layer and fn.get("kind") else []
+    kinds += [k for k in ("activation", "gradient", "weight_grad") if k not in kinds]
+    for kind in kinds:  # the producing kind only: a NaN gradient after an Inf output is an echo
+        r = _row(report, layer, kind)
+        if r is None or not (r.bad or r.headroom_bits < 1):
+            continue
+        what = {"activation": "output", "gradient": "gradient", "weight_grad": "weight gradient"}.get(kind, kind)
+        s = f"its {what} reached abs-max {fmt_num(r.absmax)} ({fmt.name} max {fmt.max:.6g}, headroom " \
+            f"{r.headroom_bits:+.1f} bits"
+        counts = [f"{n} {lbl}" for n, lbl in ((r.inf, "Inf"), (r.nan, "NaN"), (r.overflow, "overflowing")) if n]
+        if counts:
+            s += ", " + ", ".join(counts) + " values"
+        if r.first_bad_step is not None:
+            s += f", first at step {r.first_bad_step}"
+        bits.append(s + ")")
+        break
+    return "; ".join(bits)
+
+
+def culprit_advice(report: Report) -> list[str]:
+    """How to keep the culprits in FP32 and why; when there is none, where the non-finite value came from."""
+    names, source = culprits(report)
+    if not names:
+        fn = report.diagnosis.first_nonfinite or {}
+        if fn.get("input_nonfinite"):
+            return [f"The input of {fn.get('layer') or '(root)'} was already non-finite at step {fn.get('step')}: "
+                    "check the data and the code outside the watched model; forcing FP32 will not help."]
+        if fn.get("from_loss"):
+            return [f"The gradient entering the model from the loss was non-finite at step {fn.get('step')}: the loss "
+                    "(times the loss scale) overflowed; compute the loss in FP32 (`loss_fn(out.float(), y)`) and check it."]
+        return []
+    why = "bisect verified that forcing it to FP32 makes training pass" if source == "bisect" else \
+        "it was the first layer to produce a non-finite value from finite inputs"
+    ev = "; ".join(f"{n}: {e}" for n in names if (e := _evidence(report, n)))
+    lines = [f"Keep {', '.join(names)} in FP32 ({why}{'; ' + ev if ev else ''}): "
+             + "; ".join(f"`ampdoctor.keep_fp32({module_expr(n)})`" for n in names)
+             + " — or in plain PyTorch, around that call in forward: "
+             "`with torch.autocast(x.device.type, enabled=False): out = layer(x.float())`"]
+    if source == "first_nonfinite":
+        lines[0] += (" (a suspect from this run's numbers: `ampdoctor bisect` re-runs the script to check that it "
+                     "really fixes training, or finds that FP32 breaks too)")
+        lines += _nan_not_overflow(report, names[0])
+    return lines
+
+
+def _nan_not_overflow(report: Report, layer: str) -> list[str]:
+    """A producer whose output held NaN but no Inf and no overflow, its finite values far below the
+    format's max: an invalid operation is as likely as a hidden overflow; say how to tell them apart."""
+    fn = report.diagnosis.first_nonfinite or {}
+    r = _row(report, layer, fn.get("kind") or "activation")
+    if r is None or not r.nan or r.inf or r.overflow or not (4.0 < r.headroom_bits < math.inf):
+        return []
+    fmt = report.fmt
+    return [f"{layer} produced NaN without any Inf or overflow in its output (finite values up to "
+            f"{fmt_num(r.absmax)}, {r.headroom_bits:.1f} bits below the {fmt.name} max): either an invalid operation "
+            "(log or sqrt of a negative number, 0/0), which FP32 will not fix, or an overflow inside its forward "
+            "(x*x, exp) that turned into NaN. `ampdoctor bisect` tells them apart (verdict not_precision for the first)."]
+
+
+def attention_advice(report: Report) -> list[str]:
+    """Bisect's first overflowing forward matmul, when it feeds a softmax: how to scale attention scores."""
+    b = report.bisect or {}
+    ops = [o for o in (b.get("ops") or []) if isinstance(o, dict)]
+    names = [str(o.get("op", "")).lower().rsplit(".", 1)[-1] for o in ops]
+    matmuls = [o for o, n in zip(ops, names) if any(n.startswith(m) for m in MATMUL_OPS)
+               and o.get("phase", "forward") == "forward"]
+    mm = next((o for o in matmuls if o.get("pick") == "first"), matmuls[0] if matmuls else None)
+    if mm is None:
+        return []
+    attn = any("softmax" in n for n in names) or any(
+        w in str(mm.get("layer", "")).lower() or w in (next((r.type for r in report.layers
+                                                             if r.layer == mm.get("layer")), "") or "").lower()
+        for w in ("attn", "attention"))
+    if not attn:
+        return []
+    where = f" at {mm['where']}" if mm.get("where") else ""
+    if mm.get("absmax") is not None:
+        amax = f" (abs-max {fmt_num(float(mm['absmax']))} vs {report.fmt.name} max {report.fmt.max:.6g})"
+    else:
+        amax = " (non-finite output)" if mm.get("nonfinite") else ""
+    return [f"The first overflowing op is {mm.get('op')}{where} in {mm.get('layer')}{amax}, a matmul feeding a softmax: "
+            "scale q by 1/sqrt(head_dim) before the matmul instead of the scores after it "
+            "(`q = q * head_dim ** -0.5; scores = q @ k.transpose(-2, -1)`), compute the scores in FP32, or clamp them "
+            "before softmax (`scores.clamp(-3e4, 3e4)`); `F.scaled_dot_product_attention` does the pre-scaling for you."]

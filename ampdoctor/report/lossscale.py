@@ -1,0 +1,163 @@
+"""The loss-scale advisor: which static loss scales keep the recorded gradients in the format.
+
+:func:`loss_scale_range` gives the powers of two with no gradient overflow and at most
+``MAX_UNDERFLOW_PCT`` % of gradient values subnormal or flushed; :func:`loss_scale_analysis`
+gives the same with the per-layer binade spans. Both read the unscaled gradient histograms
+(:mod:`ampdoctor.report.unscaled`). :func:`loss_scale_advice` and :func:`zero_gradient_advice`
+phrase the result as advice items.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from ..formats import Format
+from .model import Report
+from .phrasing import fmt_num, module_expr, pow2, scale_literal
+from .unscaled import grad_layers, unscaled_hists
+
+__all__ = ["MAX_UNDERFLOW_PCT", "LossScaleRange", "LossScaleAnalysis", "loss_scale_range", "loss_scale_analysis",
+           "loss_scale_advice", "zero_gradient_advice"]
+
+MAX_UNDERFLOW_PCT = 1.0
+
+
+class LossScaleRange(NamedTuple):
+    """Static loss scales (powers of two) with no gradient overflow and at most
+    ``MAX_UNDERFLOW_PCT`` % of gradient values subnormal or flushed; ``recommended`` lies inside."""
+    lo: float
+    hi: float
+    recommended: float
+
+
+@dataclass
+class LossScaleAnalysis:
+    """The advisor's numbers, as log2 of the scale; ``feasible`` when one static scale fits."""
+    format: str
+    k_lo: int                 # smallest log2(scale) with underflow <= max_underflow_pct
+    k_hi: int                 # largest log2(scale) with no overflow
+    k_rec: int | None         # recommended log2(scale); None when no single scale works
+    max_underflow_pct: float
+    underflow_at_rec: float | None   # percent of gradient values subnormal/flushed at the recommended scale
+    top_exp: int              # highest binade of the unscaled gradients
+    steps_used: int
+    values: int               # non-zero finite gradient values analysed
+    spans: dict[str, int] = field(default_factory=dict)   # layer -> binades its gradients span (1%..max)
+    too_wide: list[str] = field(default_factory=list)     # layers spanning more binades than the format's normal range
+
+    @property
+    def feasible(self) -> bool:
+        return self.k_rec is not None
+
+
+def _k_range(hist: dict[int, int], fmt: Format, max_underflow_pct: float) -> tuple[int, int, int]:
+    """(k_lo, k_hi, top exponent) of one exponent histogram."""
+    es = sorted(hist)
+    total = sum(hist.values())
+    top = es[-1]
+    # values in binade e are < 2**(e+1): scaled by 2**k they stay <= max while e+1+k <= log2(max)
+    k_hi = fmt.max_exp - top - 1
+    # values in binade e stay normal when e+k >= normal_exp; find the least k with few below
+    allowed = total * max_underflow_pct / 100.0
+    below = 0
+    k_lo = fmt.normal_exp - es[0]
+    for e in es:
+        if below + hist[e] > allowed:
+            k_lo = fmt.normal_exp - e
+            break
+        below += hist[e]
+    return k_lo, k_hi, top
+
+
+def loss_scale_analysis(report: Report, *, max_underflow_pct: float = MAX_UNDERFLOW_PCT) -> LossScaleAnalysis | None:
+    """The loss-scale advisor's numbers, or None when no clean gradient histogram was recorded."""
+    got = unscaled_hists(report)
+    if not got or not got[0]:
+        return None
+    per_layer, steps_used = got
+    fmt = report.fmt
+    merged: dict[int, int] = {}
+    for h in per_layer.values():
+        for e, c in h.items():
+            merged[e] = merged.get(e, 0) + c
+    k_lo, k_hi, top = _k_range(merged, fmt, max_underflow_pct)
+    normal_binades = fmt.max_exp - fmt.normal_exp  # binades between the smallest normal and max/2
+    spans, wide = {}, []
+    for name, h in per_layer.items():
+        lo, hi, _ = _k_range(h, fmt, max_underflow_pct)
+        spans[name] = normal_binades - (hi - lo)  # binades the layer needs (1st percentile .. max)
+        if hi < lo:
+            wide.append(name)
+    k_rec = None
+    under = None
+    if k_lo <= k_hi:
+        # the middle, in binades: the most room both for gradients that grow and for those that shrink
+        k_rec = (k_lo + k_hi + 1) // 2
+        below = sum(c for e, c in merged.items() if e + k_rec < fmt.normal_exp)
+        under = 100.0 * below / max(sum(merged.values()), 1)
+    return LossScaleAnalysis(fmt.name, k_lo, k_hi, k_rec, max_underflow_pct, under, top, steps_used,
+                             sum(merged.values()), spans, sorted(wide, key=lambda n: -spans[n]))
+
+
+def loss_scale_range(report: Report, *, max_underflow_pct: float = MAX_UNDERFLOW_PCT) -> LossScaleRange | None:
+    """``(lo, hi, recommended)`` static loss scales, or None when no single scale works or no
+    clean gradients were recorded."""
+    a = loss_scale_analysis(report, max_underflow_pct=max_underflow_pct)
+    if a is None or not a.feasible:
+        return None
+    return LossScaleRange(2.0 ** a.k_lo, 2.0 ** a.k_hi, 2.0 ** a.k_rec)
+
+
+def loss_scale_advice(report: Report, ls: LossScaleAnalysis | None, ready: bool) -> list[str]:
+    """The static loss scales that fit (or why none does), and layers too wide for the format;
+    ``ready``: the run had no autocast, so the advice is how to start using a GradScaler."""
+    if ls is None:
+        return []
+    fmt = report.fmt
+    out = []
+    if fmt.max_exp >= 100 and ls.feasible:
+        return [f"Gradients fit {fmt.name} at scale 1 ({fmt.name} has FP32's exponent range): no loss scaling needed "
+                f"(largest gradient binade 2**{ls.top_exp}, {ls.values} values over {ls.steps_used} steps)."]
+    if ls.feasible:
+        under = f"{ls.underflow_at_rec:.2g}%" if ls.underflow_at_rec is not None else "?"
+        lead = (f"To train in {fmt.name}, use a GradScaler: " if ready else "Loss scale: ")
+        half_params = any(r.dtype in ("float16", "bfloat16") for r in report.rows("weight"))
+        how = (f"a static loss scale of {scale_literal(ls.k_rec)} (multiply the loss before backward, divide the "
+               "gradients before the step: GradScaler refuses fp16 parameters)" if half_params else
+               f"`torch.amp.GradScaler(init_scale={scale_literal(ls.k_rec)}, growth_interval=2000)`")
+        out.append(f"{lead}static loss scales from {pow2(ls.k_lo)} to {pow2(ls.k_hi)} keep every recorded gradient "
+                   f"below the {fmt.name} max and at most {ls.max_underflow_pct:g}% of them subnormal or flushed "
+                   f"({ls.values} values over {ls.steps_used} steps, unscaled). Recommended {how}; at that scale "
+                   f"{under} of the gradient values underflow.")
+    else:
+        out.append(f"No single static loss scale fits the gradients in {fmt.name}: avoiding overflow needs a scale "
+                   f"<= {pow2(ls.k_hi)}, keeping underflow at most {ls.max_underflow_pct:g}% needs >= {pow2(ls.k_lo)}.")
+    if ls.too_wide:
+        names = ", ".join(f"{n} ({ls.spans[n]} binades)" for n in ls.too_wide[:5])
+        out.append(f"Gradients of {names} span more binades than {fmt.name}'s normal range holds "
+                   f"({fmt.max_exp - fmt.normal_exp}): run these layers in bf16 or FP32, e.g. "
+                   f"`ampdoctor.keep_fp32({module_expr(ls.too_wide[0])})`.")
+    return out
+
+
+def zero_gradient_advice(report: Report, ls: LossScaleAnalysis | None) -> list[str]:
+    """Low-precision gradients that were exactly zero at every recorded step: flushed before any
+    layer saw them (no histogram to measure, so say what the zeros imply)."""
+    low = grad_layers(report)
+    rows = [r for r in report.rows("gradient") if (low is None or r.layer in low) and r.numel]
+    zero = [r for r in rows if r.absmax == 0 and not r.bad]
+    losses = [t["loss"] for t in report.timeline if t["loss"] is not None and math.isfinite(t["loss"])]
+    if not rows or len(zero) < len(rows) or not losses or not any(losses) or (ls is not None and ls.values):
+        return []
+    fmt = report.fmt
+    names = ", ".join(r.layer for r in sorted(zero, key=lambda r: -r.order)[:4]) + (
+        f" and {len(zero) - 4} more" if len(zero) > 4 else "")
+    k = fmt.normal_exp - (fmt.min_exp - 1)
+    return [f"Every {fmt.name} activation gradient ({names}) was exactly 0 in all {max(r.steps for r in zero)} recorded "
+            f"steps while the loss was finite (last {fmt_num(losses[-1])}): the gradients underflow to zero in "
+            f"{fmt.name} before any layer sees them, so nothing trains. Values below 2**{fmt.min_exp - 1} round to 0, "
+            f"so a loss scale of at least {pow2(k)} is needed to lift them into the normal range: use "
+            "`torch.amp.GradScaler()` or a static loss scale. To measure the range, run the script once without autocast "
+            f"under `ampdoctor run --format {fmt.name}`: that report gives the static loss scales that fit."]

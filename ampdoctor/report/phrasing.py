@@ -1,0 +1,42 @@
+"""How advice items write numbers and code: module paths as Python expressions, values in a
+compact notation, powers of two as the literal a user would paste."""
+
+from __future__ import annotations
+
+import math
+
+from ..naming import module_expr
+
+__all__ = ["module_expr", "fmt_num", "fmt_pct", "fmt_bits", "pow2", "scale_literal"]
+
+def fmt_num(v: float) -> str:
+    """Three significant digits, in scientific notation outside ``[1e-3, 1e5)``."""
+    if v == 0:
+        return "0"
+    if not math.isfinite(v):
+        return "inf" if v > 0 else "-inf"
+    return f"{v:.3g}" if 1e-3 <= abs(v) < 1e5 else f"{v:.2e}"
+
+
+def fmt_pct(v: float) -> str:
+    """A table percentage: ``-`` for none, ``<0.001%`` for a trace."""
+    if v == 0:
+        return "-"
+    return f"{v:.3g}%" if v >= 0.001 else "<0.001%"
+
+
+def fmt_bits(v: float) -> str:
+    """Headroom in bits, signed."""
+    if math.isinf(v):
+        return "inf" if v > 0 else "-inf"
+    return f"{v:+.1f}"
+
+
+def pow2(k: int) -> str:
+    """``2**k = value``: the exponent a reader reasons in, and the number it stands for."""
+    return f"2**{k} = {fmt_num(2.0 ** k)}"
+
+
+def scale_literal(k: int) -> str:
+    """A power-of-two scale as Python: ``65536`` up to 2**24, ``2.0**33`` beyond (or below 1)."""
+    return str(2 ** k) if 0 <= k <= 24 else f"2.0**{k}"

@@ -1,0 +1,66 @@
+"""Readiness: a run without autocast (every activation float32/float64), measured against a
+low-precision format. :func:`readiness` lists the layers whose values would overflow or underflow
+there; :func:`readiness_advice` says so, and which layer to keep in FP32 once autocast is on."""
+
+from __future__ import annotations
+
+from .lossscale import MAX_UNDERFLOW_PCT
+from .model import Report
+from .phrasing import fmt_num, module_expr
+from .unscaled import HIGH_PRECISION
+
+__all__ = ["readiness", "readiness_advice"]
+
+
+def readiness(report: Report) -> dict | None:
+    """For a run whose activations were all float32/float64: which layers would overflow or
+    underflow in the report's format. None when the run already used low precision."""
+    acts = report.rows("activation")
+    if not acts or any(r.dtype not in HIGH_PRECISION for r in acts) or report.format == "fp32":
+        return None
+    over, under = {}, {}
+    for kind in ("activation", "gradient", "weight", "weight_grad"):
+        for r in report.rows(kind):
+            if r.overflow or r.inf or r.headroom_bits < 0:
+                over.setdefault(kind, []).append(r)
+            if r.subnormal_pct + r.flush_pct >= MAX_UNDERFLOW_PCT:
+                under.setdefault(kind, []).append(r)
+    return {"format": report.format, "layers": len(acts), "overflow": over, "underflow": under}
+
+
+def readiness_advice(report: Report, ready: dict) -> list[str]:
+    """Advice items for a :func:`readiness` result: the counts, then the layers, worst first."""
+    fmt = report.fmt
+    what = {"activation": "outputs", "gradient": "gradients", "weight": "weights", "weight_grad": "weight gradients"}
+    n_over = len({r.layer for rows in ready["overflow"].values() for r in rows})
+    n_under = len({r.layer for rows in ready["underflow"].values() for r in rows})
+    out = [f"{fmt.name} readiness: this run had no autocast (every activation was float32), so its values were "
+           f"measured against {fmt.name}: {n_over} of {ready['layers']} layers would overflow, {n_under} would "
+           f"underflow."]
+
+    def listing(groups: dict, describe, key) -> str:
+        parts = []
+        for kind, rows in groups.items():
+            rows = sorted(rows, key=key)
+            more = f" and {len(rows) - 5} more" if len(rows) > 5 else ""
+            parts.append(f"{what[kind]} of " + ", ".join(describe(r) for r in rows[:5]) + more)
+        return "; ".join(parts)
+
+    if ready["overflow"]:
+        out.append(f"Would overflow in {fmt.name} (max {fmt.max:.6g}): " + listing(
+            ready["overflow"], lambda r: f"{r.layer} (abs-max {fmt_num(r.absmax)}, {r.overflow_pct:.3g}% over)",
+            lambda r: r.headroom_bits) + ".")
+        worst = min((r for rows in ready["overflow"].values() for r in rows if r.kind == "activation"),
+                    key=lambda r: r.order, default=None)
+        if worst is not None:
+            out.append(f"Keep {worst.layer} in FP32 when you switch on autocast: `ampdoctor.keep_fp32("
+                       f"{module_expr(worst.layer)})`.")
+    if ready["underflow"]:
+        out.append(f"Would underflow in {fmt.name} (>= {MAX_UNDERFLOW_PCT:g}% of values subnormal or flushed to "
+                   "zero): " + listing(ready["underflow"], lambda r: f"{r.layer} ({r.subnormal_pct + r.flush_pct:.3g}%)",
+                                       lambda r: -(r.subnormal_pct + r.flush_pct)) + ".")
+    if not n_over and not n_under:
+        least = min(report.rows("activation"), key=lambda r: r.headroom_bits)
+        out.append(f"Every recorded value fits {fmt.name}; the least headroom is {least.headroom_bits:+.1f} bits "
+                   f"({least.layer}, abs-max {fmt_num(least.absmax)}).")
+    return out

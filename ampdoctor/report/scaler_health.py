@@ -1,0 +1,100 @@
+"""GradScaler health from the recorded scale and skipped steps: :func:`scaler_health` classifies
+the run (healthy, start-up backoffs, occasional/frequent/persistent overflow, collapse, huge),
+:func:`scaler_advice` says what that means and what to change."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .lossscale import LossScaleAnalysis
+from .model import Report
+from .phrasing import pow2, scale_literal
+
+__all__ = ["HUGE_SCALE", "ScalerHealth", "scaler_health", "scaler_advice"]
+
+HUGE_SCALE = 2.0 ** 32    # a scale this large means the gradients are tiny, or overflow checks never fire
+
+
+@dataclass
+class ScalerHealth:
+    """The GradScaler's record: ``state`` is one of the classes above ("none": no GradScaler ran)."""
+    state: str            # none | healthy | startup | occasional | frequent | persistent | collapse | huge
+    steps: int
+    skipped: int
+    startup_backoffs: int
+    skipped_after_startup: int
+    first_scale: float | None
+    last_scale: float | None
+    min_scale: float | None
+    max_scale: float | None
+
+
+def scaler_health(report: Report) -> ScalerHealth:
+    """Classify the run's GradScaler from its scale after each step and the steps it skipped."""
+    tl = [t for t in report.timeline]
+    scales = [float(t["scale"]) for t in tl if t.get("scale")]
+    if not scales:
+        return ScalerHealth("none", len(tl), 0, 0, 0, None, None, None, None)
+    skipped = [bool(t.get("skipped")) for t in tl]
+    startup = 0
+    while startup < len(skipped) and skipped[startup]:
+        startup += 1
+    after = skipped[startup:]
+    n_after = sum(after)
+    tail = after[-10:]
+    if min(scales) < 1.0:
+        state = "collapse"
+    elif len(tail) >= 5 and sum(tail) > len(tail) / 2:
+        state = "persistent"
+    elif max(scales) >= HUGE_SCALE:
+        state = "huge"
+    elif n_after > max(2, 0.05 * len(after)):
+        state = "frequent"
+    elif n_after:
+        state = "occasional"
+    elif startup:
+        state = "startup"
+    else:
+        state = "healthy"
+    first = scales[0] * (2.0 if skipped and skipped[0] else 1.0)
+    return ScalerHealth(state, len(tl), sum(skipped), startup, n_after, first, scales[-1], min(scales), max(scales))
+
+
+def scaler_advice(report: Report, h: ScalerHealth, ls: LossScaleAnalysis | None) -> list[str]:
+    """What ``h``'s state means and what to change, citing the loss-scale advisor's range when known."""
+    if h.state == "none":
+        return []
+    def lg(v: float | None) -> str:
+        return f"2**{math.log2(v):.0f}" if v and v > 0 else "0"
+
+    base = f"GradScaler: {h.skipped} of {h.steps} steps skipped"
+    if h.state == "collapse":
+        return [f"{base}; its scale collapsed from {lg(h.first_scale)} to {lg(h.min_scale)} (below 1): gradients "
+                "overflow at every scale, so the Inf/NaN comes from a layer that produces it, not from the loss scale. "
+                "Fix that layer (above); changing init_scale will not help."]
+    if h.state == "persistent":
+        return [f"{base}, {h.skipped_after_startup} after start-up and most of the last 10: persistent overflow. The scale "
+                f"fell to {lg(h.last_scale)} without the overflow stopping: a layer produces Inf/NaN (see the culprit), "
+                "or the gradients span more binades than the format holds."]
+    out = []
+    if h.startup_backoffs:
+        out.append(f"{base}: {h.startup_backoffs} start-up backoffs ({lg(h.first_scale)} -> "
+                   f"{lg(h.first_scale / 2 ** h.startup_backoffs)}) are normal; "
+                   + (f"`GradScaler(init_scale={scale_literal(ls.k_rec)})` avoids them." if ls and ls.feasible
+                      else "a lower init_scale avoids them."))
+    if h.state == "occasional":
+        out.append(f"{base}, {h.skipped_after_startup} after start-up: occasional overflow that the scaler backs off "
+                   f"from (scale {lg(h.first_scale)} -> {lg(h.last_scale)}); normal for a dynamic loss scale.")
+    if h.state == "frequent":
+        out.append(f"GradScaler skipped {h.skipped_after_startup} steps after start-up: the scale keeps growing into "
+                   "overflow. A longer growth_interval (e.g. `GradScaler(growth_interval=4000)`) skips fewer steps"
+                   + (f"; the recorded gradients tolerate at most {pow2(ls.k_hi)}." if ls else "."))
+    if h.state == "huge":
+        out.append(f"GradScaler's scale grew to {lg(h.max_scale)}: the gradients are tiny (or a skipped-step check never "
+                   "fires). Harmless while the scaled loss stays finite; a larger `GradScaler(growth_interval=...)`, or "
+                   "a smaller init_scale, keeps it in range.")
+    if h.state == "healthy" and not out:
+        out.append(f"{base}; scale {lg(h.first_scale)} -> {lg(h.last_scale)}: healthy.")
+    return out
+

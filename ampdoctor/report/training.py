@@ -1,0 +1,57 @@
+"""Advice on the training setup rather than on one layer's precision: an optimisation divergence
+(the loss grew before training broke, or bisect found FP32 breaks too) and a model stored in
+half precision (pure ``.half()``/``.bfloat16()``: master weights, optimizer eps, GradScaler)."""
+
+from __future__ import annotations
+
+import math
+
+from .model import Report
+from .phrasing import fmt_num
+from .scaler_health import ScalerHealth
+
+__all__ = ["divergence_advice", "pure_half_advice"]
+
+
+def divergence_advice(report: Report) -> list[str]:
+    """Not a precision problem: bisect's not_precision verdict, or a loss that grew tenfold before it broke."""
+    d = report.diagnosis
+    b = report.bisect or {}
+    out = []
+    if b.get("verdict") == "not_precision":
+        out.append("bisect: training breaks with every layer in FP32 too, so this is not a precision problem: "
+                   "look at the learning rate, warmup, gradient clipping and the data.")
+    finite = [(t["step"], t["loss"]) for t in report.timeline if t["loss"] is not None and math.isfinite(t["loss"])]
+    if d.reason == "divergence" or (finite and d.broke and len(finite) >= 3):
+        lo_step, lo = min(finite, key=lambda p: p[1]) if finite else (None, None)
+        last_step, last = finite[-1] if finite else (None, None)
+        grew = lo is not None and lo > 0 and last > 10 * lo and last_step > lo_step
+        if d.reason == "divergence" or grew:
+            out.append(f"The loss grew from {fmt_num(lo)} (step {lo_step}) to {fmt_num(last)} (step {last_step}) "
+                       "before training broke: an optimisation divergence. Lower the learning rate, add warmup, "
+                       "and clip gradients (`scaler.unscale_(opt); torch.nn.utils.clip_grad_norm_(model.parameters(), "
+                       "1.0)` before `scaler.step(opt)`).")
+    return out
+
+
+def pure_half_advice(report: Report, scaler: ScalerHealth) -> list[str]:
+    """Weights stored in fp16/bf16: keep FP32 master weights; the eps and GradScaler traps of each dtype."""
+    weights = report.rows("weight")
+    half = [r for r in weights if r.dtype in ("float16", "bfloat16")]
+    if not half:
+        return []
+    dts = sorted({r.dtype for r in half})
+    out = [f"The weights of {len(half)} of {len(weights)} layers are stored in {'/'.join(dts)} (a pure .half()/.bfloat16() "
+           "model): keep FP32 master weights and use torch.autocast instead."]
+    if "float16" in dts:
+        out.append("In fp16, an Adam/AdamW eps=1e-8 (if you use one) underflows to 0 (fp16's smallest subnormal is 5.96e-08) and a norm's "
+                   "eps=1e-5 is subnormal (smallest normal 6.1e-05): divisions by ~0 blow up. With fp16 parameters "
+                   "use eps >= 1e-4, or FP32 parameters.")
+        if scaler.state != "none":
+            out.append("A GradScaler with fp16 parameters: unscale_() refuses fp16 gradients ('Attempting to unscale "
+                       "FP16 gradients'); GradScaler expects FP32 parameters under autocast.")
+    if "bfloat16" in dts:
+        small = [r for r in half if r.dtype == "bfloat16"]
+        out.append(f"bf16 weights keep 8 significant bits: updates smaller than 2**-8 of a weight are rounded away "
+                   f"({len(small)} tensors); use FP32 master weights or a stochastic-rounding/Kahan optimizer.")
+    return out
