@@ -106,7 +106,7 @@ def bisect_command(out, json_path, fmt, jobs, repeat, timeout, max_steps, margin
     out_dir = Path(out) if out else default_out(script, "bisect")
     opts = BisectOptions(fmt=fmt.lower(), oracle=oracle, timeout=timeout, max_steps=max_steps, margin=margin, jobs=jobs,
                          repeat=repeat, drill=not no_drill, max_trials=max_trials, divergence=divergence,
-                         use_hints=not no_hints, nproc=nproc)
+                         use_hints=not no_hints, nproc=nproc, fork=True)  # this process ran no torch op
     click.echo(f"ampdoctor bisect: {script} (run folder {out_dir})", err=True)
     res = run_bisect(script, _script_args(script_args), out_dir, opts, progress=_progress)
     click.echo(_summary(res))

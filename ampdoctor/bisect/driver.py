@@ -40,6 +40,7 @@ class BisectOptions:
     divergence: float | None = None
     use_hints: bool = True            # try the layer the baseline trace blames first
     nproc: int = 1                    # launch every trial through torchrun with this many ranks
+    fork: bool = False                # fork trials from this process (only if it never ran a torch op)
 
 
 def _gpus() -> int:
@@ -116,7 +117,7 @@ def run_bisect(script: str | None, args: Sequence[str], out: Path, opts: BisectO
         oracle.divergence = opts.divergence
     if runner is None:
         runner = TrialRunner(script, args, out, fmt=opts.fmt, oracle=oracle.to_dict(), timeout=opts.timeout,
-                             max_steps=opts.max_steps, nproc=opts.nproc)
+                             max_steps=opts.max_steps, nproc=opts.nproc, fork=opts.fork)
     result: dict[str, Any] = {"verdict": "error", "culprits": [], "failure": None, "first_nonfinite": None, "ops": [],
                               "trials": [], "advice": [], "script": str(script), "args": list(args), "out": str(out)}
 

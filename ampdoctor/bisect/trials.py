@@ -50,7 +50,7 @@ class TrialRunner:
 
     def __init__(self, script: str | None, args: Sequence[str], out: Path, *, fmt: str = "fp16", oracle: dict | None = None,
                  timeout: float | None = None, max_steps: int | None = None, python: str | None = None,
-                 env: dict | None = None, fork: bool | None = None, nproc: int = 1):
+                 env: dict | None = None, fork: bool = False, nproc: int = 1):
         self.script = str(Path(script).resolve()) if script is not None else ""
         self.args = list(args)
         self.out = Path(out)
@@ -63,7 +63,7 @@ class TrialRunner:
         self.trials: list[Trial] = []
         self.reference: dict | None = None  # FP32 control losses, for the divergence criterion
         self.nproc = max(1, int(nproc))
-        self.fork = (fork_ok() if fork is None else fork) and self.nproc == 1
+        self.fork = fork and self.nproc == 1 and fork_ok()
 
     def config(self, fp32: Sequence[str], *, trace: Path, pass_after: int | None, all_modules: bool = False,
                probe: Sequence[str] = ()) -> RunConfig:
@@ -207,7 +207,9 @@ def _trace_tail(path: Path) -> tuple[int | None, int]:
 def fork_ok() -> bool:
     """Trials may be forked from this process (saving the ~1.5 s import of torch per trial) when
     that is safe: Linux, torch imported but CUDA never initialised and no GPU visible. On GPU
-    machines every trial is a fresh interpreter, so each gets a clean CUDA context."""
+    machines every trial is a fresh interpreter, so each gets a clean CUDA context. The caller must
+    also know that this process never ran a torch op (an OpenMP pool does not survive fork): the
+    ``ampdoctor bisect`` command asks for forking, a library caller gets fresh interpreters."""
     if sys.platform != "linux" or os.environ.get("AMPDOCTOR_NO_FORK"):
         return False
     try:
