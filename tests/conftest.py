@@ -20,3 +20,13 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--regen-expected", action="store_true",
+                     help="rewrite tests/expected/*.txt from the current output instead of comparing")
+
+
+@pytest.fixture
+def regen(request):
+    return request.config.getoption("--regen-expected")

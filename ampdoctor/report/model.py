@@ -199,6 +199,13 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict) -> Diagnosis
     if decision is None and param_events:
         from types import SimpleNamespace
         decision = SimpleNamespace(outcome="fail", step=param_events[0]["step"], reason="nonfinite_params")
+    if decision is None and timeline and timeline[-1]["loss"] is not None and not math.isfinite(timeline[-1]["loss"]):
+        # the run ended inside a streak of non-finite losses, shorter than the oracle's K: still broken
+        first = len(timeline) - 1
+        while first > 0 and timeline[first - 1]["loss"] is not None and not math.isfinite(timeline[first - 1]["loss"]):
+            first -= 1
+        from types import SimpleNamespace
+        decision = SimpleNamespace(outcome="fail", step=timeline[first]["step"], reason="nonfinite_loss")
     fwd_events = [e for e in events if e["kind"] == "first_nonfinite" and e["detail"].get("kind") == "activation"]
     if decision is None and meta.get("status") == "crashed" and fwd_events:
         # the script raised after its forward went non-finite (`if loss.isnan(): raise`): the loss of

@@ -1,0 +1,74 @@
+"""The terminal report against an expected-output file (regenerate: pytest --regen-expected)."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from ampdoctor.formats import get_format
+from ampdoctor.report import build_report
+from ampdoctor.trace import TraceWriter, hist_blob
+
+EXPECTED = Path(__file__).parent / "expected"
+FMT = get_format("fp16")
+
+
+def _row(step, layer, kind, absmax, *, nan=0, inf=0, overflow=0, sub=0, ftz=0, numel=1024, dtype="float16", call=0):
+    hist = np.zeros(FMT.n_bins, dtype=np.int64)
+    hist[1 + 0 - FMT.min_exp] = numel - nan - inf
+    return (step, layer, kind, "out", call, dtype, numel, numel * 2, nan, inf, 0, 0, -absmax, absmax, absmax, 1e-3,
+            overflow, sub, ftz, hist_blob(hist))
+
+
+def synthetic(path: Path) -> Path:
+    """Three layers, four steps; layer `blocks.1.proj` overflows at step 2 and is NaN at step 3."""
+    w = TraceWriter(path)
+    w.set_meta(format="fp16", every=1, status="finished", optimizer_steps=2, rank=0, argv=["train.py"])
+    w.add_layers([(0, "", "Net", 0, 0, None), (1, "embed", "Linear", 1, 1, 0), (2, "blocks.1.proj", "Linear", 2, 1, 0),
+                  (3, "head", "Linear", 3, 1, 0)])
+    rows = []
+    for step in range(4):
+        rows.append(_row(step, 1, "activation", 3.5))
+        big = [100.0, 3000.0, 70000.0, 0.0][step]
+        rows.append(_row(step, 2, "activation", big if step < 3 else 0.0, overflow=8 if step == 2 else 0,
+                         nan=1024 if step == 3 else 0, sub=4 if step == 0 else 0))
+        rows.append(_row(step, 3, "activation", 1.5, nan=1024 if step == 3 else 0, call=0))
+        rows.append(_row(step, 3, "activation", 1.25, call=1))
+        rows.append(_row(step, 2, "gradient", 2.0 ** 10, ftz=100 if step == 1 else 0))
+    w.add_stats(rows)
+    for step, (loss, scale, skipped) in enumerate([(2.0, 65536.0, 0), (1.5, 65536.0, 0), (1.2, 32768.0, 1),
+                                                   (float("nan"), 16384.0, 1)]):
+        w.add_step((step, loss, scale, skipped, min(step, 2), 1, 1000.0 + step))
+    w.add_event(3, "first_nonfinite", "blocks.1.proj", kind="activation", call=0, producers=2)
+    w.commit()
+    w.close()
+    return path
+
+
+def _check(name: str, text: str, regen: bool) -> None:
+    target = EXPECTED / name
+    if regen:
+        target.write_text(text)
+    assert target.exists(), f"{target} missing: run pytest --regen-expected"
+    assert text == target.read_text()
+
+
+def _body(text: str) -> str:
+    return "\n".join(text.splitlines()[1:]) + "\n"  # the first line names the (temporary) trace path
+
+
+def test_text_report_matches_expected(tmp_path, regen):
+    rep = build_report(synthetic(tmp_path / "trace.sqlite"))
+    _check("report_synthetic.txt", _body(rep.to_text(width=120)), regen)
+    _check("report_synthetic_worst.txt", _body(rep.to_text(width=120, sort="worst", top=2, kinds=["activation"])), regen)
+
+
+def test_json_report_has_the_same_rows(tmp_path):
+    rep = build_report(synthetic(tmp_path / "trace.sqlite"))
+    data = json.loads(rep.to_json())
+    proj = [r for r in data["layers"] if r["layer"] == "blocks.1.proj" and r["kind"] == "activation"][0]
+    assert proj["overflow"] == 8 and proj["nan"] == 1024 and proj["first_bad_step"] == 2
+    assert abs(proj["headroom_bits"] - (-0.0958)) < 1e-3  # log2(65504 / 70000): a plain number, not inf
+    head = [r for r in data["layers"] if r["layer"] == "head" and r["kind"] == "activation"][0]
+    assert head["calls"] == 2
+    assert data["diagnosis"]["first_nonfinite"]["layer"] == "blocks.1.proj"
