@@ -27,9 +27,8 @@ This is a diagnostic run: it syncs with the device for every op inside the probe
 
 from __future__ import annotations
 
-import math
-
 import logging
+import math
 import os
 import sys
 import sysconfig
