@@ -7,10 +7,10 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from numpy_ref import reference_stats
 
 from ampdoctor.formats import FORMATS, get_format
 from ampdoctor.stats import batch_stats, decode_row, row_width, tensor_stats
-from numpy_ref import reference_stats
 
 FLOAT_DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 if hasattr(torch, "float8_e4m3fn"):
