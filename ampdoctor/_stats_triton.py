@@ -6,15 +6,17 @@ import triton.language as tl
 
 
 @triton.jit(do_not_specialize=["c0"])
-def stage1(addr_ptr, numel_ptr, chunk_t_ptr, chunk_s_ptr, hist_ptr, keys_ptr, c0,
+def stage1(addr_ptr, numel_ptr, clen_ptr, chunk_t_ptr, chunk_s_ptr, hist_ptr, keys_ptr, c0,
            KIND: tl.constexpr, MBITS: tl.constexpr, BIAS: tl.constexpr, INF: tl.constexpr,
            BMAX: tl.constexpr, NB: tl.constexpr, MIN_EXP: tl.constexpr, P: tl.constexpr,
-           CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+           BLOCK: tl.constexpr, FAST: tl.constexpr, FAST_ADD: tl.constexpr, CLAMP_LO: tl.constexpr,
+           CLAMP_HI: tl.constexpr, NEED_OVF: tl.constexpr, SUB: tl.constexpr):
     c = tl.program_id(0).to(tl.int64) + c0
     ti = tl.load(chunk_t_ptr + c)
     start = tl.load(chunk_s_ptr + c)
     n = tl.load(numel_ptr + ti)
     addr = tl.load(addr_ptr + ti)
+    clen = tl.load(clen_ptr + ti)
     if KIND == 3:
         base = addr.to(tl.pointer_type(tl.int64))
         ity = tl.int64
@@ -24,8 +26,12 @@ def stage1(addr_ptr, numel_ptr, chunk_t_ptr, chunk_s_ptr, hist_ptr, keys_ptr, c0
     else:
         base = addr.to(tl.pointer_type(tl.int16))
         ity = tl.int32
-    end = tl.minimum(start + CHUNK, n)
-    hist = tl.zeros([P], dtype=tl.int32)
+    end = tl.minimum(start + clen, n)
+    hist = tl.zeros([P * SUB], dtype=tl.int32)
+    # SUB copies of each bin, picked per lane, so neighbouring lanes never add to the same counter
+    # (for a tl.histogram lowered to shared-memory atomics; see stats_cuda._sub_bins)
+    lane = tl.arange(0, BLOCK)
+    lane = (lane ^ (lane >> 3)) & (SUB - 1)
     vmin = tl.full([BLOCK], INF, ity)
     vmax = tl.full([BLOCK], -INF, ity)
     vabs = tl.zeros([BLOCK], ity)
@@ -37,45 +43,69 @@ def stage1(addr_ptr, numel_ptr, chunk_t_ptr, chunk_s_ptr, hist_ptr, keys_ptr, c0
         if KIND == 3:
             ab = x & 0x7FFFFFFFFFFFFFFF
             neg = x < 0
-            mant = ab & ((1 << MBITS) - 1)
-            lg = (mant.to(tl.float64).to(tl.int64, bitcast=True) >> 52) - 1023
         elif KIND == 2:
             ab = x & 0x7FFFFFFF
             neg = x < 0
-            mant = ab & ((1 << MBITS) - 1)
-            lg = (mant.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
         else:
             b = x.to(tl.int32) & 0xFFFF
             ab = b & 0x7FFF
             neg = b > 0x7FFF
-            mant = ab & ((1 << MBITS) - 1)
-            lg = (mant.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
         ex = ab >> MBITS
-        finite = ab < INF
-        isnan = ab > INF
-        isinf = ab == INF
-        nz = finite & (ab != 0)
-        # floor(log2|x|): the exponent field, or the mantissa's leading bit for subnormals
-        e = tl.where(ex > 0, ex - BIAS, lg + 1 - BIAS - MBITS)
-        b_idx = tl.minimum(tl.maximum(e - MIN_EXP + 1, 0), NB - 1)
-        code = tl.where(nz, b_idx, NB)
-        code = tl.where(isnan, NB + 1, code)
-        code = tl.where(isinf & (~neg), NB + 2, code)
-        code = tl.where(isinf & neg, NB + 3, code)
-        code = tl.where(nz & (b_idx == NB - 2) & (ab > BMAX), NB + 4, code)
-        code = tl.where(m, code, P - 1)
-        hist += tl.histogram(code.to(tl.int32), P)
-        key = tl.where(neg, -ab, ab)
-        ok = m & finite
-        vmin = tl.minimum(vmin, tl.where(ok, key, INF))
-        vmax = tl.maximum(vmax, tl.where(ok, key, -INF))
-        vabs = tl.maximum(vabs, tl.where(ok, ab, 0))
-        vnz = tl.minimum(vnz, tl.where(m & nz, ab, INF))
+        go_fast = False
+        if FAST:
+            # the common block: full, no NaN/Inf, no subnormal input; its bin is the exponent field
+            rare = ((ex == 0) & (ab != 0)) | (ab >= INF) | (idx >= end)
+            go_fast = tl.max(rare.to(tl.int32), 0) == 0
+        if go_fast:
+            zero = ab == 0
+            code = ex + FAST_ADD
+            if CLAMP_LO:
+                code = tl.maximum(code, 0)
+            if CLAMP_HI:
+                code = tl.minimum(code, NB - 1)
+            if NEED_OVF:
+                code = tl.where((code == NB - 2) & (ab > BMAX), NB + 4, code)
+            code = tl.where(zero, NB, code)
+            hist += tl.histogram(code.to(tl.int32) * SUB + lane, P * SUB)
+            key = tl.where(neg, -ab, ab)
+            vmin = tl.minimum(vmin, key)
+            vmax = tl.maximum(vmax, key)
+            vabs = tl.maximum(vabs, ab)
+            vnz = tl.minimum(vnz, tl.where(zero, INF, ab))
+        else:
+            mant = ab & ((1 << MBITS) - 1)
+            if KIND == 3:
+                lg = (mant.to(tl.float64).to(tl.int64, bitcast=True) >> 52) - 1023
+            else:
+                lg = (mant.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127
+            finite = ab < INF
+            isnan = ab > INF
+            isinf = ab == INF
+            nz = finite & (ab != 0)
+            # floor(log2|x|): the exponent field, or the mantissa's leading bit for subnormals
+            e = tl.where(ex > 0, ex - BIAS, lg + 1 - BIAS - MBITS)
+            b_idx = tl.minimum(tl.maximum(e - MIN_EXP + 1, 0), NB - 1)
+            code = tl.where(nz, b_idx, NB)
+            code = tl.where(isnan, NB + 1, code)
+            code = tl.where(isinf & (~neg), NB + 2, code)
+            code = tl.where(isinf & neg, NB + 3, code)
+            code = tl.where(nz & (b_idx == NB - 2) & (ab > BMAX), NB + 4, code)
+            code = tl.where(m, code, P - 1)
+            hist += tl.histogram(code.to(tl.int32) * SUB + lane, P * SUB)
+            key = tl.where(neg, -ab, ab)
+            ok = m & finite
+            vmin = tl.minimum(vmin, tl.where(ok, key, INF))
+            vmax = tl.maximum(vmax, tl.where(ok, key, -INF))
+            vabs = tl.maximum(vabs, tl.where(ok, ab, 0))
+            vnz = tl.minimum(vnz, tl.where(m & nz, ab, INF))
+    if SUB > 1:
+        hist = tl.sum(tl.reshape(hist, (P, SUB)), 1)
     tl.store(hist_ptr + c * P + tl.arange(0, P), hist)
     tl.store(keys_ptr + c * 4 + 0, tl.min(vmin, 0).to(tl.int64))
     tl.store(keys_ptr + c * 4 + 1, tl.max(vmax, 0).to(tl.int64))
     tl.store(keys_ptr + c * 4 + 2, tl.max(vabs, 0).to(tl.int64))
     tl.store(keys_ptr + c * 4 + 3, tl.min(vnz, 0).to(tl.int64))
+
 
 @triton.jit
 def decode(key, kind, mbits, bias, inf):
@@ -140,3 +170,4 @@ def stage2(hist_ptr, keys_ptr, first_ptr, nchunk_ptr, numel_ptr, row_ptr, kind_p
     tl.store(o + 11, tl.sum(tl.where(cols == 0, hist, 0), 0).to(tl.float64))
     hist = tl.where(cols == NB - 2, hist + over_top, hist)
     tl.store(o + 12 + cols, hist.to(tl.float64), mask=cols < NB)
+

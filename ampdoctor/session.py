@@ -7,6 +7,7 @@ tensors here; :meth:`Session.end_step` reads them all with one host transfer.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import math
 import os
@@ -23,14 +24,15 @@ import torch
 from . import stats as _stats
 from .config import RunConfig
 from .formats import Format, get_format
+from .rows import RowPolicy, StepRows, nonfinite
 from .steps import StepTracker
 from .trace import TraceWriter, hist_blob
 
 log = logging.getLogger(__name__)
 
 KINDS = ("activation", "gradient", "weight", "weight_grad")
-DETAIL_AFTER_ANOMALY = 3
-MAX_GRAD_EVENTS = 1000  # per-step producers of non-finite gradients kept while a GradScaler runs  # with every=N, record this many steps in full after a non-finite loss
+DETAIL_AFTER_ANOMALY = 3  # with every=N, record this many steps in full after a non-finite loss
+MAX_GRAD_EVENTS = 1000  # per-step producers of non-finite gradients kept while a GradScaler runs
 
 
 class StopRun(BaseException):
@@ -61,6 +63,58 @@ def _rank() -> int:
     return 0
 
 
+DEFER_HOST_READ = os.environ.get("AMPDOCTOR_DEFER_READ", "1") != "0"  # see Session._flush_soon
+
+
+class _HostCopy:
+    """Pieces of one step bound for the host: one ``cat`` and one copy per device. On CUDA the
+    copy goes non-blocking into pinned memory and an event marks its arrival."""
+
+    def __init__(self) -> None:
+        self._pieces: dict[torch.device, list[torch.Tensor]] = {}
+        self._layout: list[tuple[str, torch.device, int]] = []
+        self._host: dict[torch.device, Any] = {}
+        self._events: dict[torch.device, Any] = {}
+        self.on_cuda = False
+
+    def put(self, what: str, t: torch.Tensor) -> None:
+        t = t.reshape(-1).to(torch.float64)
+        self._pieces.setdefault(t.device, []).append(t)
+        self._layout.append((what, t.device, t.numel()))
+
+    def start(self) -> None:
+        for dev, ts in self._pieces.items():
+            flat = torch.cat(ts) if len(ts) > 1 else ts[0]
+            if dev.type == "cuda":
+                self.on_cuda = True
+                host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+                host.copy_(flat, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(dev))
+                self._host[dev], self._events[dev] = host, ev
+            else:
+                self._host[dev] = flat.cpu()
+        self._pieces.clear()
+
+    def reader(self):
+        """``take(what)``: the next piece, in the order they were put (waits for the copy)."""
+        for ev in self._events.values():
+            ev.synchronize()
+        self._events.clear()
+        host = {dev: t.numpy() for dev, t in self._host.items()}
+        offsets = {dev: 0 for dev in host}
+        it = iter(self._layout)
+
+        def take(what: str) -> np.ndarray:
+            w, dev, n = next(it)
+            assert w == what, (w, what)
+            o = offsets[dev]
+            offsets[dev] = o + n
+            return host[dev][o:o + n]
+
+        return take
+
+
 class Session:
     """One per process. Created by the first ``watch()`` (or by the CLI runner)."""
 
@@ -80,6 +134,8 @@ class Session:
         )
         self.writer.commit()
         self.tracker = StepTracker(self)
+        if not owned:  # a watch never removed still ends its trace properly at exit
+            atexit.register(self.close)
         self.watches: list[Any] = []
         self.on_attach: list[Any] = []  # callbacks(watch): the runner installs the op probe here
         self.on_step: list[Any] = []    # callbacks(new_step) at each step boundary
@@ -101,6 +157,10 @@ class Session:
         self._pending_scalars: list[tuple[int, dict]] = []
         self._scaled_loss_active = False  # a GradScaler was seen: skipped steps are its business
         self._grad_events = 0
+        self._row_policy = RowPolicy(self.fmt, on_stale=self._stale_row)
+        self._bw_task = -2  # the backward pass whose end flushes the batch (see _queue_backward_flush)
+        self._deferred: tuple | None = None  # a recorded step whose host copy is in flight (CUDA)
+        self._prefetched: _HostCopy | None = None
         self._reset_step()
 
     # -- set-up ----------------------------------------------------------------------------
@@ -155,9 +215,9 @@ class Session:
             self._detail_left -= 1
         self.attributing = self.recording and not (
             self._first_found["forward"] and self._first_found["backward"] and not self._scaled_loss_active)
-        self._rows: list[torch.Tensor] = []
-        self._row_meta: list[tuple] = []
-        self._flags: list[torch.Tensor] = []
+        self._rows = StepRows(self._row_policy)
+        self._row_meta: list[tuple] = self._rows.meta
+        self._flags: list[Any] = []  # device bools, or tuples of row slots (see flag_slots)
         self._flag_meta: list[tuple] = []
         self._calls: dict[int, int] = {}
         self._losses: list[torch.Tensor] = []
@@ -184,24 +244,70 @@ class Session:
         return c
 
     def add_stats(self, lid: int, kind: str, slot: str, call: int, t: torch.Tensor) -> None:
-        """Statistics of ``t`` into the device buffer (no host sync)."""
+        """Statistics of ``t`` into this step's batch (measured at the next flush point, see
+        :mod:`ampdoctor.rows`; no host sync)."""
+        if self.closed:
+            return
+        if kind in ("gradient", "weight_grad"):
+            self._queue_backward_flush()
+        try:
+            self._rows.add_row((lid, kind, slot, call, str(t.dtype).replace("torch.", ""), t.numel(),
+                                t.numel() * t.element_size()), t, (lid, kind, slot))
+        except Exception as e:  # never break the user's training because of a statistic
+            self.note_layer(lid, f"could not record {kind} {slot}: {type(e).__name__}: {e}")
+
+    def add_flag(self, lid: int, call: int, phase: str, flag: Any) -> None:
+        """Did this module's inputs/outputs/gradients hold NaN/Inf: a device bool, or the row
+        slots of the tensors concerned (:meth:`flag_slots`; no kernel, no sync)."""
+        if self.closed or flag is None:
+            return
+        self._flags.append(flag if isinstance(flag, tuple) else flag.reshape(()))
+        self._flag_meta.append((lid, call, phase))
+
+    def flag_slots(self, lid: int, phase: str, tensors: list) -> tuple | None:
+        """The non-finite flag of ``tensors``, read off their statistics rows at the step's host
+        read (each tensor is measured once per step, whoever asks). No kernel of its own."""
+        if self.closed:
+            return None
+        if phase in ("gin", "gout"):
+            self._queue_backward_flush()
+        try:
+            return self._rows.flag_slots(tensors, (lid, "flag", phase))
+        except Exception as e:  # pragma: no cover - as add_stats
+            self.note_layer(lid, f"could not check {phase} for NaN/Inf: {type(e).__name__}: {e}")
+            return None
+
+    def flush_rows(self) -> None:
+        """A flush point: measure the tensors waiting in this step's batch now (launches only).
+        Called before a module that works in place runs, and at the end of each backward pass."""
         if self.closed:
             return
         try:
-            row = _stats.batch_stats([t], self.fmt)[0]
-        except Exception as e:  # never break the user's training because of a statistic
-            self.note_layer(lid, f"could not record {kind} {slot}: {type(e).__name__}: {e}")
-            return
-        self._rows.append(row)
-        self._row_meta.append((lid, kind, slot, call, str(t.dtype).replace("torch.", ""), t.numel(),
-                               t.numel() * t.element_size()))
+            self._rows.flush()
+        except Exception as e:  # pragma: no cover - never break training for a statistic
+            log.warning("ampdoctor: could not measure a batch of tensors: %s: %s", type(e).__name__, e)
 
-    def add_flag(self, lid: int, call: int, phase: str, flag: torch.Tensor) -> None:
-        """A device bool: did this module's inputs/outputs/gradients hold NaN/Inf (no sync)."""
-        if self.closed:
+    def _queue_backward_flush(self) -> None:
+        # Once per backward pass: flush when it ends, before anything changes gradients in place.
+        try:
+            task = torch._C._current_graph_task_id()
+        except Exception:  # pragma: no cover - older torch: the step boundary flushes instead
             return
-        self._flags.append(flag.reshape(()))
-        self._flag_meta.append((lid, call, phase))
+        if task == -1 or task == self._bw_task:
+            return
+        self._bw_task = task
+        rows = self._rows
+
+        def at_backward_end() -> None:
+            if rows is self._rows:
+                self.flush_rows()
+
+        torch.autograd.Variable._execution_engine.queue_callback(at_backward_end)
+
+    def _stale_row(self, key: Any) -> None:
+        lid, kind, slot = key if len(key) == 3 else (key[0][0], "flag", key[0][2])
+        self.note_layer(lid, f"{kind} {slot} changed in place before it could be measured: not recorded this "
+                             "step; measured in its hook from now on")
 
     # -- what the step tracker reports -----------------------------------------------------
     def on_backward(self, tensors: Any) -> None:
@@ -259,9 +365,11 @@ class Session:
         for w in list(self.watches):
             if self.recording:
                 w.record_weights()
+        self._rows.finish()
         step = self.step
         scalars = {
-            "loss": torch.stack(self._losses).mean() if self._losses else None,
+            # gradient accumulation passes loss / n per micro-batch: their sum is the step's loss
+            "loss": torch.stack(self._losses).sum() if self._losses else None,
             "scale": self._scale_after,
             "skipped": self._skipped,
             "optimizer_steps": self.optimizer_steps,
@@ -275,8 +383,8 @@ class Session:
         for cb in self.on_step:
             cb(self.step)
         decision = None
-        if recorded or len(self._pending_scalars) >= self.config.every:
-            decision = self._flush(rows, row_meta, flags, flag_meta, recorded)
+        if recorded or self._oracle is not None or len(self._pending_scalars) >= self.config.every:
+            decision = self._flush_soon(rows, row_meta, flags, flag_meta, recorded)
         self.writer.commit()
         if decision is not None:
             raise StopRun(decision.reason or decision.outcome, decision)
@@ -290,13 +398,13 @@ class Session:
         decision = None
         step = self._pending_scalars[-1][0]
         if recorded and row_meta:
-            out = []
             n = _stats.N_FIELDS
-            for meta, r in zip(row_meta, host_rows):
-                lid, kind, slot, call, dtype, numel, nbytes = meta
-                out.append((step, lid, kind, slot, call, dtype, numel, nbytes, int(r[1]), int(r[2]), int(r[3]),
-                            int(r[4]), _f(r[5]), _f(r[6]), _f(r[7]), _f(r[8]), int(r[9]), int(r[10]), int(r[11]),
-                            hist_blob(r[n:])))
+            # column-wise conversions (hundreds of rows a step): the same values as int()/_f()/hist_blob per row
+            ints = host_rows[:, [1, 2, 3, 4, 9, 10, 11]].astype(np.int64).tolist()
+            floats = host_rows[:, 5:9].tolist()
+            hists = np.ascontiguousarray(host_rows[:, n:]).astype("<i8")
+            out = [(step, *meta, i[0], i[1], i[2], i[3], _f(f[0]), _f(f[1]), _f(f[2]), _f(f[3]), i[4], i[5], i[6],
+                    hist_blob(h)) for meta, i, f, h in zip(row_meta, ints, floats, hists)]
             self.writer.add_stats(out)
         if recorded:
             self._attribute(step, row_meta, host_rows, flag_meta, host_flags)
@@ -321,37 +429,66 @@ class Session:
         self._pending_scalars.clear()
         return decision
 
-    def _to_host(self, rows: list, flags: list) -> tuple[np.ndarray, np.ndarray, list]:
-        """Everything the step produced in one transfer per device (the only host sync)."""
-        width = _stats.row_width(self.fmt)
-        pieces: dict[torch.device, list[torch.Tensor]] = {}
-        layout: list[tuple[str, Any, int]] = []  # (what, device, length)
+    def _flush_soon(self, rows: StepRows, row_meta: list, flags: list, flag_meta: list, recorded: bool) -> Any:
+        """:meth:`_flush` this step's data, now or, on CUDA without an oracle, at the next boundary:
+        the device-to-host copy starts now (non-blocking, into pinned memory) and is read one
+        recorded step later, when it has long arrived, so the step boundary does not wait for the
+        GPU. With an oracle (``ampdoctor run``/``bisect`` trials) every step is decided at once."""
+        prev, self._deferred = self._deferred, None
+        copy = self._start_copy(rows, flags, self._pending_scalars)
+        job = (copy, rows, row_meta, flags, flag_meta, recorded, self._pending_scalars)
+        self._pending_scalars = []
+        if copy.on_cuda and self._oracle is None and DEFER_HOST_READ:
+            self._deferred = job
+            return self._run_flush(prev)
+        first = self._run_flush(prev)
+        return self._run_flush(job) or first
 
-        def put(what: str, t: torch.Tensor) -> None:
-            t = t.reshape(-1).to(torch.float64)
-            pieces.setdefault(t.device, []).append(t)
-            layout.append((what, t.device, t.numel()))
+    def _run_flush(self, job: tuple | None) -> Any:
+        if job is None:
+            return None
+        copy, rows, row_meta, flags, flag_meta, recorded, scalars = job
+        saved, self._pending_scalars = self._pending_scalars, scalars
+        self._prefetched = copy
+        try:
+            return self._flush(rows, row_meta, flags, flag_meta, recorded)
+        finally:
+            self._prefetched = None
+            self._pending_scalars = saved
 
-        for r in rows:
-            put("row", r)
+    def sync(self) -> None:
+        """Write the recorded step whose host copy is still in flight (syncs with the device)."""
+        job, self._deferred = self._deferred, None
+        decision = self._run_flush(job)
+        if decision is not None and self.decision is None:  # pragma: no cover - no oracle when deferred
+            self.decision = decision
+        self.writer.commit()
+
+    def _start_copy(self, rows: StepRows, flags: list, scalars: list) -> _HostCopy:
+        """Start the step's single device-to-host transfer (one per device; no sync)."""
+        copy = _HostCopy()
+        for b in rows.device_pieces():
+            copy.put("block", b)
         for f in flags:
-            put("flag", f)
-        for _, sc in self._pending_scalars:
+            if not isinstance(f, tuple):
+                copy.put("flag", f)
+        for _, sc in scalars:
             for key in ("loss", "scale", "skipped"):
                 if sc[key] is not None:
-                    put(key, sc[key])
-        host: dict[torch.device, np.ndarray] = {
-            dev: torch.cat(ts).cpu().numpy() for dev, ts in pieces.items()}
-        offsets = {dev: 0 for dev in host}
+                    copy.put(key, sc[key])
+        copy.start()
+        return copy
 
-        def take(dev: Any, n: int) -> np.ndarray:
-            o = offsets[dev]
-            offsets[dev] = o + n
-            return host[dev][o:o + n]
-
-        it = iter(layout)
-        host_rows = np.stack([take(d, n) for _, d, n in (next(it) for _ in rows)]) if rows else np.zeros((0, width))
-        host_flags = np.array([take(d, n)[0] for _, d, n in (next(it) for _ in flags)]) if flags else np.zeros(0)
+    def _to_host(self, rows: StepRows, flags: list) -> tuple[np.ndarray, np.ndarray, list]:
+        """Everything the step produced, from its one transfer per device (the only host sync;
+        already arrived when the read was deferred)."""
+        width = _stats.row_width(self.fmt)
+        copy = self._prefetched or self._start_copy(rows, flags, self._pending_scalars)
+        take = copy.reader()
+        table = rows.host_table([take("block") for _ in rows.blocks], width)
+        host_rows = table[rows.slots] if rows.slots else np.zeros((0, width))
+        host_flags = np.array([float(nonfinite(table, f, rows.dropped)) if isinstance(f, tuple) else take("flag")[0]
+                               for f in flags]) if flags else np.zeros(0)
         host_scalars = []
         for _, sc in self._pending_scalars:
             vals = []
@@ -359,8 +496,7 @@ class Session:
                 if sc[key] is None:
                     vals.append(None)
                 else:
-                    _, d, n = next(it)
-                    vals.append(float(take(d, n)[0]))
+                    vals.append(float(take(key)[0]))
             host_scalars.append(vals)
         return host_rows, host_flags, host_scalars
 
@@ -460,6 +596,11 @@ class Session:
                 except Exception as e:  # pragma: no cover - never mask the user's own error
                     log.warning("ampdoctor: could not flush the last step: %s", e)
         finally:
+            if self._deferred is not None:
+                try:
+                    self.sync()
+                except Exception as e:  # pragma: no cover - never mask the user's own error
+                    log.warning("ampdoctor: could not write the last recorded step: %s", e)
             if self._oracle is not None and self.decision is None and self.step > 0:
                 try:
                     self.decision = self._oracle.finish()
@@ -476,6 +617,10 @@ class Session:
             self.writer.close()
             if _current() is self:
                 _set_current(None)
+            try:
+                atexit.unregister(self.close)
+            except Exception:  # pragma: no cover
+                pass
 
     def _partial_step(self) -> None:
         saved = self.config.max_steps, self._oracle

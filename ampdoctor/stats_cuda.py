@@ -45,8 +45,9 @@ __all__ = ["available", "install", "uninstall", "fused_batch_stats"]
 ENV_DISABLE = "AMPDOCTOR_FUSED"  # "0" turns the fused path off (the torch path is used)
 
 _BLOCK = 1024            # elements per inner iteration of a stage-1 program
-_CHUNK = 16 * _BLOCK     # elements per stage-1 program (one partial row each)
-_CB = 16                 # chunks folded per iteration of stage 2
+_CHUNK = 16 * _BLOCK     # elements per stage-1 program (one partial row each), at least
+_MAX_CHUNKS = 1024       # per tensor: a huge tensor gets longer chunks, not more (stage 2 folds them)
+_FAST = os.environ.get("AMPDOCTOR_FUSED_FAST", "1") != "0"  # the exponent-field shortcut (see stage1)
 _MAX_NUMEL = 2 ** 31 - 1  # per-chunk histogram counts are int32
 
 # dtype -> (kind, bits, mantissa bits, exponent bias)
@@ -77,9 +78,10 @@ def _bits_of(value: float, dtype: torch.dtype) -> int:
 
 
 def _hist_bins(fmt: Format) -> int:
-    """Power-of-two histogram width: ``n_bins`` exponent bins, 5 class bins, one dump bin."""
+    """Power-of-two histogram width: ``n_bins`` exponent bins, 5 class bins, one dump bin; at
+    least 64 (narrower ``tl.histogram``s gave wrong counts on an H200 with Triton 3.6)."""
     need = fmt.n_bins + 6
-    p = 1
+    p = 64
     while p < need:
         p *= 2
     return p
@@ -87,7 +89,14 @@ def _hist_bins(fmt: Format) -> int:
 
 def _build_kernels() -> dict:
     from . import _stats_triton as k
-    return {"stage1": k.stage1, "stage2": k.stage2}
+    return {"stage1": k.stage1, "stage2": k.stage2, "sub": _sub_bins(k)}
+
+
+def _sub_bins(k: Any) -> int:
+    """How many copies of each histogram bin stage 1 keeps (``AMPDOCTOR_HIST_SUB``, default 1).
+    Copies picked per lane would help a ``tl.histogram`` lowered to shared-memory atomics; Triton
+    3.6 lowers it to warp ballots, where 32 copies measured 8x slower on an H200."""
+    return int(os.environ.get("AMPDOCTOR_HIST_SUB", "1"))
 
 
 def _kernels() -> dict | None:
@@ -126,10 +135,40 @@ def uninstall() -> None:
 
 
 @cache
-def _consts(fmt: Format, dtype: torch.dtype) -> dict:
+def _consts(fmt: Format, dtype: torch.dtype, fast: bool, sub: int) -> dict:
     kind, bits, mbits, bias = _KINDS[dtype]
-    return dict(KIND=kind, MBITS=mbits, BIAS=bias, INF=_inf_bits(bits, mbits), BMAX=_bits_of(fmt.max, dtype),
-                NB=fmt.n_bins, MIN_EXP=fmt.min_exp, P=_hist_bins(fmt))
+    inf, bmax, nb = _inf_bits(bits, mbits), _bits_of(fmt.max, dtype), fmt.n_bins
+    # the fast path bins a normal value by its exponent field alone: bin = field + FAST_ADD
+    fast_add = 1 - bias - fmt.min_exp
+    emax = inf >> mbits  # all-ones exponent field
+    top = fmt.max_exp + bias  # exponent field of the format's top bin, if the input has it as a normal
+    need_ovf = 1 <= top <= emax - 1 and ((top << mbits) | ((1 << mbits) - 1)) > bmax
+    return dict(KIND=kind, MBITS=mbits, BIAS=bias, INF=inf, BMAX=bmax, NB=nb, MIN_EXP=fmt.min_exp,
+                P=_hist_bins(fmt), FAST=fast, FAST_ADD=fast_add, CLAMP_LO=1 + fast_add < 0,
+                CLAMP_HI=emax - 1 + fast_add > nb - 1, NEED_OVF=need_ovf,
+                SUB=max(1, min(sub, 2048 // _hist_bins(fmt))))
+
+
+_compiled: dict[tuple, Any] = {}  # (kernel, constexprs) -> Triton's compiled kernel, for cheap launches
+
+
+def _launch(kern: dict, name: str, grid: int, args: tuple, consts: dict, num_warps: int, dev: torch.device) -> None:
+    """Launch through the compiled kernel once it exists: the JIT's per-call argument binding
+    and cache lookup cost tens of microseconds, more than the launch itself. Every argument
+    of ours keeps one specialisation (16-byte aligned tensors, ``c0`` not specialised)."""
+    key = (name, tuple(sorted(consts.items())), num_warps)
+    ck = _compiled.get(key)
+    if ck is not None and _state.get("direct", True):
+        try:
+            rest = [consts[n] for n in kern[name].arg_names[len(args):]]  # the signature's order
+            ck[(grid, 1, 1)](*args, *rest, stream=torch.cuda.current_stream(dev).cuda_stream)
+            return
+        except Exception as e:  # another Triton: its own launch path from now on
+            log.info("ampdoctor: direct Triton launch unavailable (%s: %s)", type(e).__name__, e)
+            _state["direct"] = False
+    ck = kern[name][(grid,)](*args, **consts, num_warps=num_warps)
+    if dev.type == "cuda" and ck is not None:
+        _compiled[key] = ck
 
 
 def _to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -172,25 +211,28 @@ def fused_batch_stats(tensors: Sequence[torch.Tensor], fmt: Format, *, _allow_cp
     if groups:
         order = [i for g in groups.values() for i in g]
         numel = np.array([views[i].numel() for i in order], dtype=np.int64)
-        nchunk = (numel + _CHUNK - 1) // _CHUNK
+        nchunk = np.minimum((numel + _CHUNK - 1) // _CHUNK, _MAX_CHUNKS)
+        clen = (numel + np.maximum(nchunk, 1) * _BLOCK - 1) // (np.maximum(nchunk, 1) * _BLOCK) * _BLOCK
+        clen = np.maximum(clen, _BLOCK)
+        nchunk = (numel + clen - 1) // clen
         first = np.zeros(len(order), dtype=np.int64)
         np.cumsum(nchunk[:-1], out=first[1:])
         total = int(nchunk.sum())
         chunk_t = np.repeat(np.arange(len(order), dtype=np.int64), nchunk)
-        chunk_s = (np.arange(total, dtype=np.int64) - np.repeat(first, nchunk)) * _CHUNK
+        chunk_s = (np.arange(total, dtype=np.int64) - np.repeat(first, nchunk)) * np.repeat(clen, nchunk)
         addr = np.array([views[i].data_ptr() for i in order], dtype=np.int64)
         kind = np.array([_KINDS[views[i].dtype][0] for i in order], dtype=np.int64)
         row = np.array(order, dtype=np.int64)
         m = len(order)
         # one host-to-device copy; every segment starts 16-byte aligned (one kernel specialisation)
-        parts = [addr, numel, first, nchunk, row, kind, chunk_t, chunk_s]
+        parts = [addr, numel, first, nchunk, row, kind, clen, chunk_t, chunk_s]
         sizes = [len(a) + (len(a) & 1) for a in parts]
         buf = np.zeros(sum(sizes), dtype=np.int64)
         offs = np.concatenate([[0], np.cumsum(sizes)])
         for a, o in zip(parts, offs):
             buf[o:o + len(a)] = a
         meta = _to_device(buf, dev)
-        d_addr, d_numel, d_first, d_nchunk, d_row, d_kind, d_chunk_t, d_chunk_s = (
+        d_addr, d_numel, d_first, d_nchunk, d_row, d_kind, d_clen, d_chunk_t, d_chunk_s = (
             meta[o:o + len(a)] for a, o in zip(parts, offs))
         p = _hist_bins(fmt)
         hist = torch.empty((max(total, 1), p), dtype=torch.int32, device=dev)
@@ -200,12 +242,13 @@ def fused_batch_stats(tensors: Sequence[torch.Tensor], fmt: Format, *, _allow_cp
             c0, c1 = int(first[pos]), int(first[pos + len(idx) - 1] + nchunk[pos + len(idx) - 1])
             pos += len(idx)
             if c1 > c0:
-                kern["stage1"][(c1 - c0,)](
-                    d_addr, d_numel, d_chunk_t, d_chunk_s, hist, keys, c0,
-                    CHUNK=_CHUNK, BLOCK=_BLOCK, num_warps=4, **_consts(fmt, dtype))
-        kern["stage2"][(m,)](hist, keys, d_first, d_nchunk, d_numel, d_row, d_kind, out,
-                             W=width, NB=fmt.n_bins, MIN_EXP=fmt.min_exp, NORMAL_EXP=fmt.normal_exp,
-                             P=p, CB=_CB, num_warps=4)
+                consts = dict(_consts(fmt, dtype, _FAST, kern["sub"]))
+                consts["BLOCK"] = _BLOCK
+                _launch(kern, "stage1", c1 - c0, (d_addr, d_numel, d_clen, d_chunk_t, d_chunk_s, hist, keys, c0),
+                        consts, 4, dev)
+        _launch(kern, "stage2", m, (hist, keys, d_first, d_nchunk, d_numel, d_row, d_kind, out),
+                dict(W=width, NB=fmt.n_bins, MIN_EXP=fmt.min_exp, NORMAL_EXP=fmt.normal_exp, P=p,
+                     CB=max(1, 8192 // p)), 8, dev)
     for i in other:
         out[i] = _stats.tensor_stats(tensors[i], fmt)
     return out

@@ -98,6 +98,8 @@ class StepTracker:
 
         @functools.wraps(orig)
         def update(scaler: Any, new_scale: Any = None) -> Any:
+            if not getattr(scaler, "_enabled", True):  # GradScaler(enabled=False): the optimizer step ends it
+                return orig(scaler, new_scale)
             before = getattr(scaler, "_scale", None)
             before = before.detach().clone() if isinstance(before, torch.Tensor) else None
             result = orig(scaler, new_scale)

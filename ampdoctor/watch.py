@@ -46,6 +46,10 @@ def unwrap_model(model: nn.Module) -> tuple[nn.Module, list[str]]:
     return model, notes
 
 
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
 def _nonfinite_flag(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     flags = [(~torch.isfinite(t.detach())).any() for t in tensors if t.numel()]
     if not flags:
@@ -68,6 +72,7 @@ class Watch:
         self._param_hooks_were_none: list[tuple[nn.Parameter, bool]] = []
         root, notes = unwrap_model(model)
         self.root = root
+        self._compiled = any("torch.compile" in n for n in notes)
         for n in notes:
             session.note(n)
         self._attach(root, all_modules)
@@ -107,27 +112,28 @@ class Watch:
         stack = []
 
         def pre(mod: nn.Module, args: Any) -> None:
-            if not s.recording or self._removed:
+            if not s.recording or self._removed or _in_backward():
                 return
             if s.layers[lid].ord is None:
                 s.mark_order(lid)
-            if not s.attributing:
-                return
-            ins = [t for _, t in floating(iter_tensors(args))]
-            stack.append(_nonfinite_flag(ins))
-            for t in ins:
-                if t.requires_grad:
-                    t.register_hook(self._make_flag_hook(lid, "gin", stack_call=lambda: s._calls.get(lid, 0)))
+            if s.attributing:
+                ins = [t for _, t in floating(iter_tensors(args))]
+                stack.append(s.flag_slots(lid, "in", ins))
+                for t in ins:
+                    if t.requires_grad:
+                        t.register_hook(self._make_flag_hook(lid, "gin", stack_call=lambda: s._calls.get(lid, 0)))
+            if getattr(mod, "inplace", False) is True:
+                s.flush_rows()  # measure the waiting tensors before this module overwrites its input
 
         self._stack[lid] = stack  # type: ignore[attr-defined]
-        return pre
+        return self._hook_fn(pre)
 
     def _make_post(self, lid: int, record_stats: bool):
         s = self.session
 
         def post(mod: nn.Module, args: Any, out: Any) -> None:
-            if self._removed or s.closed or not s.recording:
-                return
+            if self._removed or s.closed or not s.recording or _in_backward():
+                return  # (a forward inside backward is activation checkpointing recomputing it)
             call = s.next_call(lid)
             outs = floating(iter_tensors(out))
             stack = self._stack.get(lid)
@@ -135,7 +141,7 @@ class Watch:
                 in_flag = stack.pop() if stack else None
                 if in_flag is not None:
                     s.add_flag(lid, call, "in", in_flag)
-                out_flag = _nonfinite_flag([t for _, t in outs])
+                out_flag = s.flag_slots(lid, "out", [t for _, t in outs])
                 if out_flag is not None:
                     s.add_flag(lid, call, "out", out_flag)
                 for _, t in outs:
@@ -154,7 +160,13 @@ class Watch:
                 if t.requires_grad:
                     t.register_hook(self._make_grad_hook(lid, slot, call))
 
-        return post
+        return self._hook_fn(post)
+
+    def _hook_fn(self, fn):
+        """Under torch.compile, keep dynamo out of our hooks (it would trace and recompile them)."""
+        if self._compiled and hasattr(torch, "compiler") and hasattr(torch.compiler, "disable"):
+            return torch.compiler.disable(fn)
+        return fn
 
     def _make_grad_hook(self, lid: int, slot: str, call: int):
         s = self.session
@@ -171,7 +183,7 @@ class Watch:
 
         def hook(grad: torch.Tensor) -> None:
             if not self._removed and not s.closed and s.attributing and grad is not None and grad.numel():
-                s.add_flag(lid, c, phase, (~torch.isfinite(grad)).any())
+                s.add_flag(lid, c, phase, s.flag_slots(lid, phase, [grad]))
 
         return hook
 
@@ -236,6 +248,8 @@ class Watch:
     def report(self, **kwargs: Any):
         """The per-layer report of what was recorded so far (flushes the trace first)."""
         from .report import build_report
+        if not self.session.closed:
+            self.session.sync()  # the last recorded step, if its host copy is still in flight
         self.session.writer.commit()
         self.session.writer.flush()
         return build_report(self.trace_path, **kwargs)

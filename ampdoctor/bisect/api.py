@@ -30,7 +30,7 @@ class InProcessRunner(TrialRunner):
         self.seed = seed
 
     def run(self, name: str, fp32: Sequence[str], *, pass_after: int | None, all_modules: bool = False,
-            probe: Sequence[str] = (), gpu: int | None = None) -> Trial:
+            probe: Sequence[str] = (), gpu: int | None = None, lite: bool = False) -> Trial:
         import numpy as np
         import torch
 
@@ -40,7 +40,7 @@ class InProcessRunner(TrialRunner):
         folder = self.out / "trials" / f"{index:02d}-{name}"
         folder.mkdir(parents=True, exist_ok=True)
         cfg: RunConfig = self.config(fp32, trace=folder / "trace.sqlite", pass_after=pass_after,
-                                     all_modules=all_modules, probe=probe)
+                                     all_modules=all_modules, probe=probe, lite=lite)
         (folder / "config.json").write_text(cfg.to_env())
         random.seed(self.seed)
         np.random.seed(self.seed)
@@ -78,8 +78,8 @@ class InProcessRunner(TrialRunner):
         self.trials.append(trial)
         return trial
 
-    def run_many(self, specs, *, pass_after, jobs, gpus=0):
-        return [self.run(n, f, pass_after=pass_after) for n, f in specs]
+    def run_many(self, specs, *, pass_after, jobs, gpus=0, lite=False):
+        return [self.run(n, f, pass_after=pass_after, lite=lite) for n, f in specs]
 
 
 def bisect(train_fn: Callable[[], Any], *, format: str = "fp16", out: str | Path | None = None,

@@ -173,7 +173,7 @@ def run_bisect(script: str | None, args: Sequence[str], out: Path, opts: BisectO
     gpus = _gpus()
     jobs = max(1, opts.jobs)
     if jobs > 1:
-        for t in runner.run_many(first, pass_after=pass_after, jobs=jobs, gpus=gpus if gpus > 1 else 0):
+        for t in runner.run_many(first, pass_after=pass_after, jobs=jobs, gpus=gpus if gpus > 1 else 0, lite=True):
             record(t)
             known[frozenset(t.fp32)] = t.outcome
     cache_runs = {"n": 0}
@@ -182,7 +182,7 @@ def run_bisect(script: str | None, args: Sequence[str], out: Path, opts: BisectO
         order = [n for n in bl.candidates if n in fp32]
         cache_runs["n"] += 1
         name = "all-fp32" if fp32 == root_set else ("+".join(n or "root" for n in order)[:60] or "none")
-        t = record(_run(runner, name.replace("/", "_"), order, pass_after, reference))
+        t = record(_run(runner, name.replace("/", "_"), order, pass_after, reference, lite=True))
         return t.outcome
 
     sr = find_culprits(bl.candidates, test, parent=bl.parent, hints=hints, repeat=opts.repeat,

@@ -27,6 +27,9 @@ from ..trace import TraceReader
 log = logging.getLogger(__name__)
 
 
+LITE_EVERY = 1_000_000  # "every" of a search trial: full statistics only at step 0 and after a NaN loss
+
+
 @dataclass
 class Trial:
     index: int
@@ -66,18 +69,22 @@ class TrialRunner:
         self.fork = fork and self.nproc == 1 and fork_ok()
 
     def config(self, fp32: Sequence[str], *, trace: Path, pass_after: int | None, all_modules: bool = False,
-               probe: Sequence[str] = ()) -> RunConfig:
-        return RunConfig(trace=str(trace), format=self.fmt, every=1, all_modules=all_modules, max_steps=self.max_steps,
+               probe: Sequence[str] = (), lite: bool = False) -> RunConfig:
+        # lite: a search trial needs only what the oracle reads (loss, scale, skipped), not per-layer
+        # statistics: record the first step in full, then only the steps after a non-finite loss
+        every = LITE_EVERY if lite else 1
+        return RunConfig(trace=str(trace), format=self.fmt, every=every, all_modules=all_modules, max_steps=self.max_steps,
                          force_fp32=list(fp32), oracle=dict(self.oracle), pass_after=pass_after, probe=list(probe),
                          reference_losses=self.reference)
 
     def start(self, name: str, fp32: Sequence[str], *, pass_after: int | None, all_modules: bool = False,
-              probe: Sequence[str] = (), gpu: int | None = None) -> dict:
+              probe: Sequence[str] = (), gpu: int | None = None, lite: bool = False) -> dict:
         """Launch a trial; returns a handle for :meth:`wait`."""
         index = len(self.trials) + len(getattr(self, "_running", []))
         folder = self.out / "trials" / f"{index:02d}-{name}"
         folder.mkdir(parents=True, exist_ok=True)
-        cfg = self.config(fp32, trace=folder / "trace.sqlite", pass_after=pass_after, all_modules=all_modules, probe=probe)
+        cfg = self.config(fp32, trace=folder / "trace.sqlite", pass_after=pass_after, all_modules=all_modules, probe=probe,
+                          lite=lite)
         (folder / "config.json").write_text(cfg.to_env())
         env = dict(os.environ, **self.env)
         env["AMPDOCTOR_CONFIG"] = cfg.to_env()
@@ -124,7 +131,7 @@ class TrialRunner:
         return self.wait(self.start(name, fp32, pass_after=pass_after, **kw))
 
     def run_many(self, specs: list[tuple[str, Sequence[str]]], *, pass_after: int | None, jobs: int,
-                 gpus: int = 0) -> list[Trial]:
+                 gpus: int = 0, lite: bool = False) -> list[Trial]:
         """Run several independent trials, ``jobs`` at a time (one GPU each when ``gpus``)."""
         results: list[Trial | None] = [None] * len(specs)
         pending = list(enumerate(specs))
@@ -135,7 +142,7 @@ class TrialRunner:
                 i, (name, fp32) = pending.pop(0)
                 gpu = (slot % gpus) if gpus else None
                 slot += 1
-                running.append((i, self.start(name, fp32, pass_after=pass_after, gpu=gpu)))
+                running.append((i, self.start(name, fp32, pass_after=pass_after, gpu=gpu, lite=lite)))
             i, h = running.pop(0)
             results[i] = self.wait(h)
         return [r for r in results if r is not None]
@@ -167,6 +174,9 @@ class TrialRunner:
             if last_loss_bad is not None:
                 return Trial(outcome="fail", step=last_loss_bad, reason="nonfinite_loss", steps=steps,
                              error=f"{err} (raised after the loss became non-finite)", **base)
+            if not data.get("traceback"):  # SystemExit (argparse!) and friends: show what the script said
+                tail = _tail(folder / "stderr.txt")
+                err = f"{err}: {tail}" if tail else err
             return Trial(outcome="error", error=err, steps=steps, extra={"traceback": data.get("traceback")}, **base)
         if not data.get("trained", True):
             return Trial(outcome="error", steps=steps, error="the script never trained (no optimizer.step() or "
@@ -174,6 +184,14 @@ class TrialRunner:
         if dec.get("outcome") == "fail":
             return Trial(outcome="fail", step=dec.get("step"), reason=dec.get("reason"), steps=steps, **base)
         return Trial(outcome="pass", step=steps, steps=steps, **base)
+
+
+def _tail(path: Path, lines: int = 2) -> str:
+    try:
+        text = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return " | ".join(t.strip() for t in text[-lines:])
 
 
 def _trace_tail(path: Path) -> tuple[int | None, int]:

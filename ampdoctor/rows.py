@@ -1,0 +1,207 @@
+"""One step's statistics rows, measured in batches.
+
+Hooks hand tensors over (:meth:`StepRows.add_row`, :meth:`StepRows.flag_slots`); they wait in a
+batch and are measured together (:func:`ampdoctor.stats.batch_stats`: one fused launch on CUDA)
+at *flush points*:
+
+* the batch's bytes exceed a budget (:data:`BUDGET_BYTES`; on CUDA 3% of the peak memory of the
+  first recorded step, within 16..256 MiB): the tensors it holds stay alive until then;
+* a module with ``inplace=True`` (``nn.ReLU(inplace=True)``, dropout, ...) is about to run;
+* each backward pass ends (an autograd final callback): before ``GradScaler.unscale_``,
+  gradient clipping or the next micro-batch change gradients in place;
+* the step boundary.
+
+A tensor is measured once per step however many hooks ask for it (the same object at the same
+``_version``): the non-finite flags used for first-non-finite attribution are read off the rows of
+the tensors they concern, so they cost no kernel of their own.
+
+In-place safety. A tensor changed in place between its hook and its flush would be measured
+after the change. So the first recorded step measures every tensor at once, in its hook (as the
+unbatched path did), and also lets it wait in the batch as later steps will, to learn which
+tensors change before their flush (their ``_version`` moved): from then on those are measured at
+once, in their hooks; the rest wait in the batch.
+Each flush checks ``_version`` again; a tensor that changed anyway (the model took another code
+path) is not written (its row would describe other numbers): a note says so, and it is measured
+at once from then on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from typing import Any, Callable, Hashable, Sequence
+
+import numpy as np
+import torch
+
+from . import stats as _stats
+from .formats import Format
+
+log = logging.getLogger(__name__)
+
+BUDGET_BYTES = 64 << 20  # bytes of tensors held by a batch before it is measured (CUDA: see fit_budget)
+_DEFAULT_BUDGET = BUDGET_BYTES
+EAGER = os.environ.get("AMPDOCTOR_EAGER", "0") == "1"  # measure every tensor in its hook (no batching)
+
+
+class RowPolicy:
+    """What the steps of a session learn and share: tensors that must be measured at once."""
+
+    def __init__(self, fmt: Format, budget: int | None = None,
+                 on_stale: Callable[[Hashable], None] | None = None):
+        self.fmt = fmt
+        self.budget = budget if budget is not None else BUDGET_BYTES
+        self._fit = budget is None and BUDGET_BYTES == _DEFAULT_BUDGET
+        self.volatile: set = set()  # keys whose tensors change in place after their hook
+        self.calibrated = False      # False until the first recorded step has ended
+        self.on_stale = on_stale
+        self._cuda_tried = False
+
+    def fit_budget(self, devices: set) -> None:
+        """On CUDA, after the first recorded step: a budget of 3% of the peak memory so far
+        (within 16..256 MiB), so holding a batch stays a small fraction of what training holds
+        anyway. Reads the allocator's counters only (no sync)."""
+        if not self._fit:
+            return
+        peaks = [torch.cuda.max_memory_allocated(d) for d in devices if d.type == "cuda"]
+        if peaks:
+            self.budget = int(min(256 << 20, max(16 << 20, 0.03 * max(peaks))))
+
+    def cuda_seen(self) -> None:
+        if not self._cuda_tried:
+            self._cuda_tried = True
+            from . import stats_cuda
+            stats_cuda.install()
+
+
+class StepRows:
+    """Rows of one step. ``meta``/``slots``: one entry per statistics row (the trace's rows);
+    a *slot* is one measured tensor, shared by the rows and flags that concern it."""
+
+    def __init__(self, policy: RowPolicy):
+        self.policy = policy
+        self.meta: list[tuple] = []
+        self.slots: list[int] = []
+        self.n_slots = 0
+        self.blocks: list[tuple[torch.Tensor, list[int]]] = []  # (rows on device, their slots)
+        self.dropped: set[int] = set()
+        self._pending: list[tuple[int, torch.Tensor, int, Hashable, bool]] = []  # (.., measured)
+        self._pending_bytes = 0
+        self._seen: dict[int, tuple[Any, int, int]] = {}  # id(t) -> (weakref, _version, slot)
+        self._devices: set[torch.device] = set()
+
+    def __bool__(self) -> bool:
+        return self.n_slots > 0
+
+    # -- from the hooks ------------------------------------------------------------------
+    def slot_of(self, t: torch.Tensor, key: Hashable) -> int:
+        """The slot measuring ``t`` as it is now (no host sync)."""
+        x = t.detach()
+        ver = t._version
+        hit = self._seen.get(id(t))
+        if hit is not None and hit[1] == ver and hit[0]() is t:
+            return hit[2]
+        slot = self.n_slots
+        self.n_slots += 1
+        try:
+            self._seen[id(t)] = (weakref.ref(t), ver, slot)
+        except TypeError:  # pragma: no cover - tensors take weak references
+            pass
+        if x.device not in self._devices:
+            self._devices.add(x.device)
+            if x.device.type == "cuda":
+                self.policy.cuda_seen()
+        pol = self.policy
+        measured = False
+        if EAGER or not pol.calibrated or key in pol.volatile:
+            try:
+                self.blocks.append((_stats.batch_stats([x], pol.fmt), [slot]))
+            except Exception:
+                self.dropped.add(slot)
+                raise
+            if pol.calibrated or EAGER:
+                return slot
+            measured = True  # calibration: also wait in the batch, to learn whether it would go stale
+        self._pending.append((slot, t, ver, key, measured))
+        self._pending_bytes += x.numel() * x.element_size()
+        if self._pending_bytes > pol.budget:
+            self.flush()
+        return slot
+
+    def add_row(self, meta: tuple, t: torch.Tensor, key: Hashable) -> None:
+        slot = self.slot_of(t, key)
+        self.meta.append(meta)
+        self.slots.append(slot)
+
+    def flag_slots(self, tensors: Sequence[torch.Tensor], key: Hashable) -> tuple[int, ...] | None:
+        """Slots whose rows say whether ``tensors`` hold NaN/Inf (``None`` if all are empty)."""
+        out = tuple(self.slot_of(t, (key, i)) for i, t in enumerate(tensors) if t.numel())
+        return out or None
+
+    # -- flush points --------------------------------------------------------------------
+    def flush(self) -> None:
+        """Measure the waiting tensors now (kernel launches; no host sync)."""
+        if not self._pending:
+            return
+        pol = self.policy
+        pending, self._pending, self._pending_bytes = self._pending, [], 0
+        by_dev: dict[torch.device, tuple[list, list]] = {}
+        for slot, t, ver, key, measured in pending:
+            if t._version != ver:
+                pol.volatile.add(key)
+                if not measured:
+                    self.dropped.add(slot)
+                    if pol.on_stale is not None:
+                        pol.on_stale(key)
+                continue
+            if measured:
+                continue
+            ts, ss = by_dev.setdefault(t.device, ([], []))
+            ts.append(t.detach())
+            ss.append(slot)
+        for ts, ss in by_dev.values():
+            try:
+                self.blocks.append((_stats.batch_stats(ts, pol.fmt), ss))
+            except Exception as e:  # one odd tensor must not cost the batch: measure one by one
+                log.info("ampdoctor: batched statistics failed (%s: %s); measuring one by one", type(e).__name__, e)
+                for t, slot in zip(ts, ss):
+                    try:
+                        self.blocks.append((_stats.batch_stats([t], pol.fmt), [slot]))
+                    except Exception:
+                        self.dropped.add(slot)
+
+    def finish(self) -> None:
+        """The step's last flush: measure what waits, forget rows that could not be measured."""
+        self.flush()
+        if self.n_slots and not self.policy.calibrated:
+            self.policy.calibrated = True
+            self.policy.fit_budget(self._devices)
+        self._seen.clear()
+        if self.dropped:
+            keep = [i for i, s in enumerate(self.slots) if s not in self.dropped]
+            self.meta[:] = [self.meta[i] for i in keep]
+            self.slots[:] = [self.slots[i] for i in keep]
+
+    # -- reading ---------------------------------------------------------------------------
+    def device_pieces(self) -> list[torch.Tensor]:
+        """The measured blocks, for the step's single host transfer."""
+        return [b for b, _ in self.blocks]
+
+    def host_table(self, host_blocks: Sequence[np.ndarray], width: int) -> np.ndarray:
+        """All slots' rows on the host, ``(n_slots, width)``; dropped slots are NaN."""
+        table = np.full((self.n_slots, width), np.nan)
+        for (_, slots), h in zip(self.blocks, host_blocks):
+            table[slots] = np.asarray(h).reshape(len(slots), width)
+        return table
+
+
+def nonfinite(table: np.ndarray, slots: Sequence[int], dropped: set) -> bool:
+    """Whether any of ``slots``' rows counts a NaN or an Inf."""
+    for s in slots:
+        if s in dropped:
+            continue
+        r = table[s]
+        if r[1] or r[2] or r[3]:
+            return True
+    return False

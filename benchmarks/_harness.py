@@ -1,0 +1,100 @@
+"""Side-by-side step timing for the overhead benchmarks: every configuration runs in the same
+process, interleaved round by round (the order rotates), and the table gives medians."""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+
+@dataclass
+class Config:
+    """``setup()`` attaches the tool (returns a ``teardown()``); ``wrap`` wraps each step."""
+    name: str
+    setup: Callable[[], Callable[[], None]] | None = None
+    wrap: Callable[[Callable[[], None]], None] | None = None
+    steps: int | None = None  # timed steps per round, if not the common number (slow tools)
+
+
+@dataclass
+class Result:
+    ms: list[float] = field(default_factory=list)
+    peak: list[int] = field(default_factory=list)
+    extra: dict = field(default_factory=dict)
+
+
+def watch_config(name: str, model, every: int, *, before=None, after=None, steps=None) -> Config:
+    """An ampdoctor watch with a fresh trace each round (its first recorded step is warm-up)."""
+    import ampdoctor
+
+    def setup():
+        if before:
+            before()
+        d = tempfile.mkdtemp(prefix="ampdoctor-bench-")
+        w = ampdoctor.watch(model, every=every, trace=str(Path(d) / "t.sqlite"))
+
+        def teardown():
+            w.remove()
+            if after:
+                after()
+
+        return teardown
+
+    return Config(name, setup, steps=steps)
+
+
+def run_interleaved(step: Callable[[], None], configs: list[Config], *, rounds: int, steps: int,
+                    warmup: int = 1, sync: Callable[[], None] = lambda: None,
+                    peak: tuple[Callable[[], None], Callable[[], int]] | None = None,
+                    log: Callable[[str], None] = print) -> dict[str, Result]:
+    """Per round and configuration: attach, ``warmup`` steps, ``steps`` timed steps, detach.
+    The mean step time of a round goes into the result (``every=N`` costs are spread over N)."""
+    results = {c.name: Result() for c in configs}
+    for r in range(rounds):
+        order = configs[r % len(configs):] + configs[:r % len(configs)]
+        for c in order:
+            teardown = c.setup() if c.setup else None
+            try:
+                run = (lambda c=c: c.wrap(step)) if c.wrap else step
+                for _ in range(warmup):
+                    run()
+                sync()
+                if peak:
+                    peak[0]()
+                t0 = time.perf_counter()
+                n = c.steps or steps
+                for _ in range(n):
+                    run()
+                sync()
+                dt = (time.perf_counter() - t0) / n * 1e3
+                results[c.name].ms.append(dt)
+                if peak:
+                    results[c.name].peak.append(peak[1]())
+            finally:
+                if teardown:
+                    teardown()
+            gc.collect()
+        log(f"  round {r + 1}/{rounds}: " + "  ".join(f"{c.name} {results[c.name].ms[-1]:.1f}" for c in configs))
+    return results
+
+
+def table(results: dict[str, Result], base: str = "baseline", *, extra_cols: tuple[str, ...] = ()) -> str:
+    b = statistics.median(results[base].ms)
+    bpeak = max(results[base].peak) if results[base].peak else None
+    head = "| config | median ms/step | ratio | min..max ms |" + ("" if bpeak is None else " peak MiB | extra peak |")
+    head += "".join(f" {c} |" for c in extra_cols)
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for name, res in results.items():
+        m = statistics.median(res.ms)
+        row = f"| {name} | {m:.2f} | {m / b:.3f}x | {min(res.ms):.2f}..{max(res.ms):.2f} |"
+        if bpeak is not None:
+            p = max(res.peak)
+            row += f" {p / 2**20:.0f} | {100 * (p - bpeak) / bpeak:+.2f}% |"
+        row += "".join(f" {res.extra.get(c, '')} |" for c in extra_cols)
+        lines.append(row)
+    return "\n".join(lines)

@@ -1,0 +1,200 @@
+"""The fused CUDA statistics (ampdoctor.stats_cuda) give exactly the torch path's rows, and a
+watch on CUDA writes the same trace with either. Run on the GPU machine: ``pytest -m cuda``."""
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import ampdoctor
+from ampdoctor import stats, stats_cuda
+from ampdoctor.formats import FORMATS
+from ampdoctor.trace import TraceReader
+
+pytestmark = pytest.mark.cuda
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+SIZES = (0, 1, 3, 17, 1000, 1023, 1024, 1025, 16383, 16384, 16385, 100_003, (1 << 20) + 7)
+
+
+@pytest.fixture(autouse=True)
+def _fused():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("triton")
+    os.environ.pop(stats_cuda.ENV_DISABLE, None)
+    assert stats_cuda.available(), stats_cuda._state["error"]
+    yield
+    stats_cuda.uninstall()
+
+
+def _awkward(dtype, n, g):
+    """Random magnitudes over the whole fp32 range and beyond, with NaN, ±Inf, ±0, the format
+    limits, subnormals and values just around 65504 planted."""
+    if n == 0:
+        return torch.empty(0, dtype=dtype, device="cuda")
+    x = torch.randn(n, generator=g, dtype=torch.float64)
+    x = x * torch.exp2(torch.randint(-160, 140, (n,), generator=g).to(torch.float64))
+    if dtype != torch.float64:
+        x = x.clamp(-3.4e38, 3.4e38)
+    x = x.to(dtype)
+    fi = torch.finfo(dtype)
+    special = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, fi.max, -fi.max, fi.tiny,
+                            fi.tiny * fi.eps, -fi.tiny * fi.eps, 65504.0, 65520.0, 65536.0, -70000.0, 2.0 ** -24,
+                            2.0 ** -25, 2.0 ** -14, 2.0 ** -133, 2.0 ** -149, 448.0, 464.0, 57344.0, 61440.0],
+                           dtype=torch.float64).to(dtype)
+    k = max(1, n // 7)
+    idx = torch.randint(0, n, (k,), generator=g)
+    x[idx] = special[torch.randint(0, len(special), (k,), generator=g)]
+    return x.cuda()
+
+
+def _tensors(g):
+    ts = [_awkward(dt, n, g) for dt in DTYPES for n in SIZES]
+    ts += [
+        torch.full((5000,), float("nan"), device="cuda", dtype=torch.float16),
+        torch.full((300,), float("-inf"), device="cuda", dtype=torch.bfloat16),
+        torch.zeros(4097, device="cuda"),
+        torch.randn(64, 48, device="cuda", dtype=torch.float16).t(),            # not contiguous
+        torch.randn(1001, device="cuda")[1:],                                     # not 16-byte aligned
+        torch.randn(3, 8, 8, 5, device="cuda").to(memory_format=torch.channels_last),
+    ]
+    for dt in DTYPES:  # no NaN/Inf/subnormal: blocks take the exponent-field fast path
+        for scale in (1.0, 1e-3, 3e4, 1e30, 1e-30):
+            x = torch.randn(40_000, generator=g, dtype=torch.float64) * scale
+            ts += [x.to(dt).cuda(), x.relu().to(dt).cuda()]
+    if hasattr(torch, "float8_e4m3fn"):
+        ts.append(torch.randn(333, device="cuda").to(torch.float8_e4m3fn))      # falls back to torch
+    return ts
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_fused_rows_equal_torch_path(fmt):
+    fmt = FORMATS[fmt]
+    g = torch.Generator().manual_seed(hash(fmt.name) % 1000)
+    ts = _tensors(g)
+    ref = torch.stack([stats.tensor_stats(t, fmt) for t in ts])
+    got = stats_cuda.fused_batch_stats(ts, fmt)
+    assert got.shape == ref.shape and got.dtype == torch.float64 and got.device == ref.device
+    bad = (got != ref).any(1).nonzero().flatten().tolist()
+    assert not bad, [(ts[i].dtype, ts[i].numel(), (got[i] != ref[i]).nonzero().flatten().tolist()) for i in bad]
+    # and the torch path on the GPU agrees with the CPU (the reference the numpy tests check)
+    cpu = torch.stack([stats.tensor_stats(t.cpu(), fmt) for t in ts])
+    assert torch.equal(ref.cpu(), cpu)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_single_tensors_and_backend_seam(dtype):
+    fmt = FORMATS["fp16"]
+    g = torch.Generator().manual_seed(1)
+    assert stats_cuda.install()
+    for n in (0, 1, 31, 70_000):
+        t = _awkward(dtype, n, g)
+        assert torch.equal(stats.batch_stats([t], fmt), stats.tensor_stats(t, fmt)[None])
+    assert stats_cuda.fused_batch_stats([torch.ones(3)], fmt) is None  # CPU: not ours
+
+
+def test_huge_tensor_many_chunks():
+    fmt = FORMATS["fp16"]
+    x = torch.randn(50_000_000, device="cuda", dtype=torch.float16)  # longer chunks than the minimum
+    x[123] = float("inf")
+    x[49_999_999] = 1e-7  # fp16 subnormal
+    assert torch.equal(stats_cuda.fused_batch_stats([x, x[:1000]], fmt),
+                       torch.stack([stats.tensor_stats(x, fmt), stats.tensor_stats(x[:1000], fmt)]))
+
+
+def test_no_host_sync():
+    fmt = FORMATS["bf16"]
+    ts = [t for t in _tensors(torch.Generator().manual_seed(2)) if t.dtype in DTYPES]
+    stats_cuda.fused_batch_stats(ts, fmt)  # compile first
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        stats_cuda.fused_batch_stats(ts, fmt)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin1 = nn.Linear(32, 64)
+        self.act = nn.ReLU(inplace=True)
+        self.lin2 = nn.Linear(64, 64)
+        self.norm = nn.LayerNorm(64)
+        self.head = nn.Linear(64, 1)
+
+    def forward(self, x):
+        h = self.lin2(self.act(self.lin1(x)))
+        h += 0.5  # in place on a recorded activation
+        return self.head(self.norm(h))
+
+
+def _watched_run(tmp_path, name, fused: bool, steps=6):
+    if fused:
+        os.environ.pop(stats_cuda.ENV_DISABLE, None)
+    else:
+        os.environ[stats_cuda.ENV_DISABLE] = "0"
+        stats_cuda.uninstall()
+    try:
+        torch.manual_seed(0)
+        model = _Net().cuda()
+        with torch.no_grad():
+            model.lin2.weight.mul_(40000.0)  # overflows fp16 after a few steps of growing inputs
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+        scaler = torch.amp.GradScaler("cuda")
+        g = torch.Generator(device="cuda").manual_seed(0)
+        with ampdoctor.watch(model, trace=str(tmp_path / f"{name}.sqlite")):
+            for i in range(steps):
+                x = torch.randn(16, 32, device="cuda", generator=g) * (1 + 40 * i)
+                with torch.autocast("cuda", dtype=torch.float16):
+                    loss = model(x).float().pow(2).mean()
+                opt.zero_grad(set_to_none=True)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            installed = stats._backend is stats_cuda.fused_batch_stats
+    finally:
+        os.environ.pop(stats_cuda.ENV_DISABLE, None)
+    assert installed == fused
+    r = TraceReader(tmp_path / f"{name}.sqlite")
+    key = lambda s: (s["step"], s["layer"], s["kind"], s["slot"], s["call"])  # noqa: E731
+    events = [(e["step"], e["kind"], e["layer"], e["detail"]) for e in r.events()]
+    steps_ = [(s["step"], repr(s["loss"]), s["scale"], s["skipped"]) for s in r.steps()]  # repr: nan == nan
+    return sorted(r.stats(), key=key), events, steps_
+
+
+def test_watch_on_cuda_same_trace_as_torch_path(tmp_path):
+    ref = _watched_run(tmp_path, "torch", fused=False)
+    got = _watched_run(tmp_path, "fused", fused=True)
+    assert len(got[0]) == len(ref[0]) > 0
+    for a, b in zip(got[0], ref[0]):
+        assert a == b
+    assert got[1] == ref[1]
+    assert got[2] == ref[2]
+    assert any(e[1] == "first_nonfinite" for e in got[1])
+
+
+def test_recorded_steps_do_not_sync_in_hooks(tmp_path):
+    """Fused AdamW keeps GradScaler sync-free: the only syncs left would be ampdoctor's."""
+    torch.manual_seed(0)
+    model = _Net().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cuda")
+    x = torch.randn(16, 32, device="cuda")
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")):
+        for i in range(4):
+            if i == 2:
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                with torch.autocast("cuda", dtype=torch.float16):
+                    loss = model(x).float().pow(2).mean()
+                opt.zero_grad(set_to_none=True)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+    r = TraceReader(tmp_path / "t.sqlite")
+    assert [s["step"] for s in r.steps()] == [0, 1, 2, 3]
