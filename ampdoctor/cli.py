@@ -62,6 +62,7 @@ def _print_report(report, sort: str, top: int | None, only_bad: bool, match: str
     if bad:
         raise click.BadParameter(f"unknown kind(s) {bad}; use activation,gradient,weight,weight_grad", param_hint="--kinds")
     width = max(100, min(160, click.get_terminal_size()[0] if hasattr(click, "get_terminal_size") else 120))
+    click.echo()  # the script may have left a `\r` progress line open
     click.echo(report.to_text(kinds=ks, sort=sort, top=top, only_bad=only_bad, match=match, width=width))
 
 

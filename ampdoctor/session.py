@@ -156,6 +156,7 @@ class Session:
         self.first_nonfinite: dict | None = None
         self._pending_scalars: list[tuple[int, dict]] = []
         self._scaled_loss_active = False  # a GradScaler was seen: skipped steps are its business
+        self._step_optimizer: int | None = None  # without a GradScaler, this optimizer's step ends a step
         self._grad_events = 0
         self._row_policy = RowPolicy(self.fmt, on_stale=self._stale_row)
         self._bw_task = -2  # the backward pass whose end flushes the batch (see _queue_backward_flush)
@@ -341,7 +342,13 @@ class Session:
         if self._scaler is not None or self._scaled_loss_seen:
             return  # with a GradScaler the step ends at update()
         if not self._active:
-            return  # a second optimizer of the same iteration (GANs): same step
+            return  # a second optimizer right after the first: same step
+        # Several optimizers (a GAN's D and G): an iteration is the cycle between two steps of the
+        # first optimizer that ever stepped, so each step holds one of each.
+        if self._step_optimizer is None:
+            self._step_optimizer = id(optimizer)
+        if id(optimizer) != self._step_optimizer:
+            return
         self.end_step()
 
     # -- the step boundary -----------------------------------------------------------------

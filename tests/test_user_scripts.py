@@ -1,0 +1,143 @@
+"""Regressions found by running scripts written by someone else (new-user testing)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import ampdoctor
+from ampdoctor.bisect.drill import OpProbe
+from ampdoctor.trace import TraceReader
+
+ROOT = Path(__file__).parent.parent
+
+
+def test_disabled_grad_scaler_does_not_double_steps(tmp_path):
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)  # `GradScaler(enabled=use_amp)`
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")):
+        for _ in range(5):
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    steps = TraceReader(tmp_path / "t.sqlite").steps()
+    assert [s["step"] for s in steps] == [0, 1, 2, 3, 4]
+
+
+def test_gradient_accumulation_loss_is_the_step_loss(tmp_path):
+    model = nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    x = torch.ones(2, 4)
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")):
+        for _ in range(2):
+            total = 0.0
+            for _ in range(4):
+                loss = model(x).pow(2).mean() / 4
+                loss.backward()
+                total += loss.item()
+            opt.step()
+            opt.zero_grad()
+    assert TraceReader(tmp_path / "t.sqlite").steps()[0]["loss"] == pytest.approx(total)
+
+
+def test_checkpoint_recompute_is_not_a_second_call(tmp_path):
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(8, 8), nn.ReLU())
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.head(checkpoint(self.block, x, use_reentrant=False))
+
+    model = M()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")):
+        model(torch.randn(4, 8, requires_grad=True)).pow(2).mean().backward()
+        opt.step()
+    r = TraceReader(tmp_path / "t.sqlite")
+    names = {lay["id"]: lay["name"] for lay in r.layers()}
+    calls = [s["call"] for s in r.stats(kind="activation") if names[s["layer"]] == "block.0"]
+    assert calls == [0]
+
+
+def test_causal_mask_fill_is_not_an_overflow():
+    class Attn(nn.Module):
+        def forward(self, q):
+            s = q @ q.transpose(-2, -1)
+            mask = torch.ones(s.shape[-2:], dtype=torch.bool).triu(1)
+            return torch.softmax(s.masked_fill(mask, float("-inf")).float(), -1)
+
+    model = nn.Sequential(Attn())
+    with OpProbe(model, ["0"]) as probe:
+        with torch.autocast("cpu", dtype=torch.float16):
+            model(torch.randn(2, 4, 8))
+    assert not [f for f in probe.findings if f.op == "masked_fill"]
+
+
+SECOND_MODEL = '''
+import torch
+from torch import nn
+
+class G(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))
+    def forward(self, z):
+        return self.net(z)
+
+class D(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+    def forward(self, x):
+        return self.net(x)
+
+g, d = G(), D()
+og, od = torch.optim.SGD(g.parameters(), lr=1e-2), torch.optim.SGD(d.parameters(), lr=1e-2)
+for step in range(3):
+    ld = d(g(torch.randn(2, 4)).detach()).mean()
+    ld.backward(); od.step(); od.zero_grad()
+    lg = -d(g(torch.randn(2, 4))).mean()
+    lg.backward(); og.step(); og.zero_grad()
+'''
+
+
+def test_second_auto_watched_model_is_named_by_its_class(tmp_path):
+    script = tmp_path / "gan.py"
+    script.write_text(SECOND_MODEL)
+    out = tmp_path / "run"
+    env = dict(os.environ)
+    env.pop("AMPDOCTOR_CONFIG", None)
+    p = subprocess.run([sys.executable, "-m", "ampdoctor", "run", "--out", str(out), str(script)], capture_output=True,
+                       text=True, cwd=ROOT, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    names = {lay["name"] for lay in TraceReader(out / "trace.sqlite").layers()}
+    assert {"net.0", "D:", "D:net.0", "D:net.1"} <= names
+    r = TraceReader(out / "trace.sqlite")
+    # two optimizers: a step ends at each step of the first (D's), so 3 steps plus G's half of the last
+    assert len(r.steps()) == 4 and r.meta()["optimizer_steps"] == 6
+
+
+@pytest.mark.slow
+def test_pure_half_model_without_watch_call_bisects(tmp_path):
+    src = (ROOT / "fixtures" / "pure_half.py").read_text()
+    lines = [ln for ln in src.splitlines() if "ampdoctor.watch(" not in ln]
+    script = tmp_path / "pure_half_nowatch.py"
+    script.write_text("\n".join(lines) + "\n")
+    env = dict(os.environ)
+    env.pop("AMPDOCTOR_CONFIG", None)
+    p = subprocess.run([sys.executable, "-m", "ampdoctor", "bisect", "--out", str(tmp_path / "b"), "--json",
+                        str(tmp_path / "r.json"), str(script)], capture_output=True, text=True, cwd=ROOT, env=env,
+                       timeout=300)
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["verdict"] == "culprit" and res["culprits"] == ["head"], p.stdout + p.stderr
