@@ -122,7 +122,12 @@ def _torch_batch(tensors: Sequence[torch.Tensor], fmt: Format) -> torch.Tensor:
         finite = a < inf  # as isfinite (NaN compares false), in one op
         nonzero = finite & (a > 0)
         # floor(log2|x|) - min_exp + 1, clamped to the under/over bins (frexp's exponent of 0/Inf/NaN is unused)
-        code = (torch.frexp(a)[1].to(torch.int32) - fmt.min_exp).clamp_(0, nb - 1)
+        if x.dtype == torch.float32 and fmt.min_exp > -126:
+            # the exponent field is floor(log2|x|) + 127 for normal floats; fp32 subnormals (< 2**-126) land in
+            # the under bin either way. Two integer ops instead of frexp (the costliest op here on a CPU).
+            code = ((a.view(torch.int32) >> 23) - (126 + fmt.min_exp)).clamp_(0, nb - 1)
+        else:
+            code = (torch.frexp(a)[1].to(torch.int32) - fmt.min_exp).clamp_(0, nb - 1)
         if _top_bin_can_overflow(ts[0].dtype, fmt):
             code = torch.where(nonzero & (code == nb - 2) & (a > fmt.max), nb + 4, code)
         code.masked_fill_(~nonzero, nb)  # zero; NaN and Inf overwritten next (int32 in place: cheap)

@@ -98,3 +98,23 @@ def test_large_random_tensor_matches_reference():
     _compare(x.half(), "fp16")
     _compare(x.bfloat16(), "bf16")
     assert np.isfinite(1.0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    groups=st.lists(st.lists(st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=64),
+                                       st.sampled_from(SPECIALS)), min_size=0, max_size=60), min_size=2, max_size=5),
+    dtypes=st.lists(st.sampled_from([torch.float16, torch.bfloat16, torch.float32, torch.float64]), min_size=5,
+                    max_size=5),
+    fmt=st.sampled_from(FORMAT_NAMES),
+)
+def test_batched_rows_match_numpy_reference(groups, dtypes, fmt):
+    """The batched path (one pass for many tensors, exponent bits instead of frexp) against numpy."""
+    f = get_format(fmt)
+    tensors = [torch.tensor(v, dtype=torch.float64).to(dt) for v, dt in zip(groups, dtypes)]
+    rows = batch_stats(tensors, f)
+    for t, row in zip(tensors, rows):
+        got = decode_row(row.tolist(), f)
+        ref = reference_stats(t.to(torch.float64).numpy(), f)
+        for key, val in ref.items():
+            assert got[key] == val, (key, got[key], val, t.dtype)
