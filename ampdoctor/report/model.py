@@ -242,6 +242,10 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict) -> Diagnosis
         else:
             lines.append(f"First non-finite value: step {fn['step']}, {what} of {fn['layer'] or '(root)'} "
                          "(it produced NaN/Inf from finite inputs; later layers only propagate it).")
+    every = int(meta.get("every") or 1)
+    if fn is not None and every > 1:
+        lines.append(f"Layer statistics were sampled every {every} steps (and in full after a non-finite loss): "
+                     "the first non-finite value may come a few steps earlier; rerun with --every 1 to pin it.")
     if skipped:
         lines.append(f"GradScaler skipped {skipped} of {len(timeline)} steps.")
     ran = meta.get("activation_dtype")
