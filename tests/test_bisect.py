@@ -111,3 +111,12 @@ def test_bisect_through_torchrun(tmp_path):
     p = bisect("--out", tmp_path / "b", "--json", tmp_path / "r.json", "--nproc-per-node", "2", SCRIPTS / "ddp_overflow.py")
     res = json.loads((tmp_path / "r.json").read_text())
     assert res["verdict"] == "culprit" and res["culprits"] == ["2"], p.stdout + p.stderr
+
+
+def test_jobs_and_repeat(tmp_path):
+    p = bisect("--out", tmp_path / "j", "--json", tmp_path / "j.json", "--jobs", "2", "--repeat", "2",
+               FIXTURES / "linear_overflow.py")
+    res = json.loads((tmp_path / "j.json").read_text())
+    assert res["verdict"] == "culprit" and res["culprits"] == ["net.2"], p.stdout + p.stderr
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("trial ")]
+    assert [int(ln.split()[1]) for ln in lines] == list(range(1, len(lines) + 1))  # each trial numbered once

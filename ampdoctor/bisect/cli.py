@@ -19,7 +19,7 @@ def _progress(kind: str, info: dict) -> None:
         what = t.outcome + (f" at step {t.step} ({t.reason})" if t.outcome == "fail" else "")
         if t.outcome in ("error", "timeout") and t.error:
             what += f": {t.error}"
-        click.echo(f"trial {info['n']:>2}  {t.seconds:6.1f}s  fp32=[{forced}]  -> {what}", err=True)
+        click.echo(f"trial {t.index + 1:>2}  {t.seconds:6.1f}s  fp32=[{forced}]  -> {what}", err=True)
 
 
 def _summary(res: dict) -> str:
