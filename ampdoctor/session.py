@@ -157,6 +157,7 @@ class Session:
         self._pending_scalars: list[tuple[int, dict]] = []
         self._scaled_loss_active = False  # a GradScaler was seen: skipped steps are its business
         self._step_optimizer: int | None = None  # without a GradScaler, this optimizer's step ends a step
+        self.last_output_nonfinite: tuple[int, Any] | None = None  # (step, device flag), trials only
         self._grad_events = 0
         self._row_policy = RowPolicy(self.fmt, on_stale=self._stale_row)
         self._bw_task = -2  # the backward pass whose end flushes the batch (see _queue_backward_flush)
@@ -618,6 +619,13 @@ class Session:
                 w._detach_hooks()
             self.watches.clear()
             self.tracker.uninstall()
+            if self.last_output_nonfinite is not None:
+                try:
+                    step, flag = self.last_output_nonfinite
+                    if bool(flag):
+                        self.writer.set_meta(last_output_nonfinite_step=step)
+                except Exception:  # pragma: no cover - a broken device must not lose the trace
+                    pass
             self.writer.set_meta(status=status, ended=time.time(), steps=self.step,
                                  optimizer_steps=self.optimizer_steps, **meta)
             self.writer.commit()

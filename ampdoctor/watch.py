@@ -97,6 +97,8 @@ class Watch:
             stats = all_modules or is_leaf or has_own_params
             self._handles.append(mod.register_forward_pre_hook(self._make_pre(lid)))
             self._handles.append(mod.register_forward_hook(self._make_post(lid, stats), always_call=False))
+            if name == "" and s.config.oracle is not None:
+                self._handles.append(mod.register_forward_hook(self._root_output_check()))
             if stats:
                 for pname, p in mod.named_parameters(recurse=False):
                     if id(p) in seen_params:
@@ -159,6 +161,20 @@ class Watch:
                 s.add_stats(lid, "activation", slot, call, t)
                 if t.requires_grad:
                     t.register_hook(self._make_grad_hook(lid, slot, call))
+
+        return self._hook_fn(post)
+
+    def _root_output_check(self):
+        """Trials only: a device flag, every step, of whether the model's output held NaN/Inf, so a
+        script that raises on a NaN loss before backward is still seen to have broken (no sync)."""
+        s = self.session
+
+        def post(mod: nn.Module, args: Any, out: Any) -> None:
+            if self._removed or s.closed or _in_backward():
+                return
+            flag = _nonfinite_flag([t for _, t in floating(iter_tensors(out)) if t.numel()])
+            if flag is not None:
+                s.last_output_nonfinite = (s.step, flag)
 
         return self._hook_fn(post)
 

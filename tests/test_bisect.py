@@ -61,6 +61,8 @@ def test_trial_classification(tmp_path):
     r = TrialRunner(str(SCRIPTS / "raises_on_nan.py"), [], tmp_path, oracle={}, timeout=60)
     t = r.run("nan-raise", [], pass_after=None)
     assert t.outcome == "fail" and t.reason == "nonfinite_loss" and "raised after the loss" in t.error
+    t = r.run("nan-raise-lite", [], pass_after=None, lite=True)  # a search trial records no layer statistics
+    assert t.outcome == "fail" and t.reason == "nonfinite_loss", t
     r = TrialRunner(str(SCRIPTS / "raises.py"), [], tmp_path / "2", oracle={}, timeout=60)
     t = r.run("crash", [], pass_after=None)
     assert t.outcome == "error" and "boom" in t.error

@@ -204,10 +204,14 @@ def _trace_tail(path: Path) -> tuple[int | None, int]:
         with TraceReader(path) as r:
             steps = r.steps()
             acts = r.stats(kind="activation")
+            meta = r.meta()
     except Exception:
         return None, 0
     if not steps:
         return None, 0
+    bad_out = meta.get("last_output_nonfinite_step")
+    if bad_out is not None and meta.get("status") == "crashed":
+        return int(bad_out), len(steps)  # raised right after the model's output went NaN/Inf
     last_step = steps[-1]["step"]
     last = steps[-1]["loss"]
     bad = last is not None and not math.isfinite(last)
