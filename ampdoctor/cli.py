@@ -157,10 +157,10 @@ def _run_torchrun(script, args, cfg, out_dir: Path, nproc: int, table, json_path
     import os
     import subprocess
 
-    from .launch import read_rank_results, torchrun_command
+    from .launch import RESULT_PATTERN, read_rank_results, torchrun_command
     from .report import build_report
 
-    env = dict(os.environ, AMPDOCTOR_CONFIG=cfg.to_env(), AMPDOCTOR_TRIAL_RESULT=str(out_dir / "result.rank{rank}.json"))
+    env = dict(os.environ, AMPDOCTOR_CONFIG=cfg.to_env(), AMPDOCTOR_TRIAL_RESULT=str(out_dir / RESULT_PATTERN))
     proc = subprocess.run(torchrun_command(nproc, str(Path(script).resolve()), args), env=env)
     results = read_rank_results(out_dir)
     if not results:

@@ -50,10 +50,6 @@ class Format:
         """Histogram length: under bin + one bin per exponent + over bin."""
         return self.max_exp - self.min_exp + 3
 
-    def bin_edges_log2(self) -> list[int]:
-        """Exponent of each in-range bin (bin i+1 holds ``2**e <= |x| < 2**(e+1)``)."""
-        return list(range(self.min_exp, self.max_exp + 1))
-
     def headroom_bits(self, absmax: float) -> float:
         """``log2(max / absmax)``: how many doublings are left before overflow."""
         if not math.isfinite(absmax):

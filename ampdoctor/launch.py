@@ -14,7 +14,7 @@ def torchrun_command(nproc: int, script: str, args: Sequence[str], python: str |
             "-m", "ampdoctor._trial", script, *args]
 
 
-RESULT_PATTERN = "result.rank{rank}.json"
+RESULT_PATTERN = "result.rank{rank}.json"  # _trial fills in RANK
 
 
 def read_rank_results(folder: Path) -> dict[int, dict]:

@@ -31,7 +31,7 @@ import json
 import math
 from collections import deque
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 __all__ = ["OracleConfig", "Decision", "Oracle", "REASONS"]
 
@@ -117,8 +117,16 @@ class Decision:
         return asdict(self)
 
 
-def _finite(x: Optional[float]) -> bool:
-    return x is not None and math.isfinite(x)
+def trailing_nonfinite_start(losses: Sequence[tuple[int, Optional[float]]]) -> Optional[int]:
+    """The first step of the non-finite streak a run *ended* in (shorter than ``nonfinite_k`` is
+    enough: nothing came after it), or None when the last loss seen is finite or there is none.
+    ``losses`` is ``(step, loss)`` in step order; unobserved losses (None) end the search."""
+    start = None
+    for step, loss in reversed(list(losses)):
+        if loss is None or math.isfinite(loss):
+            break
+        start = step
+    return start
 
 
 class Oracle:

@@ -27,7 +27,6 @@ STAT_COLUMNS = (
     "step", "layer", "kind", "slot", "call", "dtype", "numel", "bytes", "nan", "posinf", "neginf",
     "zero", "min", "max", "absmax", "nzmin", "overflow", "subnormal", "flush_to_zero", "hist",
 )
-STEP_COLUMNS = ("step", "loss", "scale", "skipped", "optimizer_steps", "recorded", "wall")
 # SQLite stores NaN as NULL: a step keeps its loss as text when it is not an ordinary number.
 
 _SCHEMA = """

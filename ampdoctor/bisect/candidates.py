@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..trace import TraceReader
-
-LOW_PRECISION = {"float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"}
 
 
 @dataclass
@@ -17,7 +14,6 @@ class Baseline:
     parent: dict[str, str | None]
     hints: list[str]                      # most likely culprits first
     first_nonfinite: dict | None
-    low_precision: set[str] = field(default_factory=set)  # modules whose outputs were half precision
     types: dict[str, str] = field(default_factory=dict)
 
 
@@ -43,20 +39,13 @@ def read_baseline(trace: str | Path) -> Baseline:
         events = r.events("first_nonfinite")
     layers.sort(key=lambda lay: lay["ord"])
     names = [lay["name"] for lay in layers]
-    # which modules produced low-precision outputs (directly, or through a descendant)
-    low: set[str] = set()
     overflow: dict[str, float] = {}
-    headroom: dict[str, float] = {}
     for s in acts:
         lay = by_id.get(s["layer"])
         if lay is None:
             continue
         n = lay["name"]
-        if s["dtype"] in LOW_PRECISION:
-            low.add(n)
         overflow[n] = overflow.get(n, 0) + s["overflow"] + s["posinf"] + s["neginf"] + s["nan"]
-        if s["absmax"]:
-            headroom[n] = min(headroom.get(n, math.inf), math.log2(65504.0 / s["absmax"]))
     # Every module that ran is a candidate: one with half-precision inputs may compute in fp16 and
     # still return fp32 (an fp32 parameter promotes the result), so output dtypes cannot rule it out.
     cands = list(names)
@@ -81,4 +70,4 @@ def read_baseline(trace: str | Path) -> Baseline:
         e = (fwd or events)[0]
         first = {"layer": e["layer"], "kind": e["detail"].get("kind"), "step": e["step"]}
     types = {lay["name"]: lay["type"] for lay in layers}
-    return Baseline(candidates=cands, parent=parent, hints=hints, first_nonfinite=first, low_precision=low, types=types)
+    return Baseline(candidates=cands, parent=parent, hints=hints, first_nonfinite=first, types=types)

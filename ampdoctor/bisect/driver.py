@@ -141,12 +141,13 @@ def run_bisect(script: str | None, args: Sequence[str], out: Path, opts: BisectO
         emit("start", {"name": "fp32-reference"})
         ctl = record(runner.run("fp32-reference", [""], pass_after=None))
         reference = _losses(Path(ctl.folder) / "trace.sqlite")
+        runner.reference = reference  # every later trial judges divergence against it
         result["fp32_control_losses"] = reference
         if ctl.outcome != "pass":
             return finish("not_precision" if ctl.outcome == "fail" else "inconclusive",
                           notes=[f"the FP32 reference run did not pass ({ctl.outcome})"])
     emit("start", {"name": "baseline"})
-    base = record(_run(runner, "baseline", [], None, reference, all_modules=True))
+    base = record(runner.run("baseline", [], pass_after=None, all_modules=True))
     if base.outcome in ("error", "timeout"):
         msg = base.error or base.outcome
         return finish("error", error=f"the script failed without a numerical failure: {msg}",
@@ -182,7 +183,7 @@ def run_bisect(script: str | None, args: Sequence[str], out: Path, opts: BisectO
         order = [n for n in bl.candidates if n in fp32]
         cache_runs["n"] += 1
         name = "all-fp32" if fp32 == root_set else ("+".join(n or "root" for n in order)[:60] or "none")
-        t = record(_run(runner, name.replace("/", "_"), order, pass_after, reference, lite=True))
+        t = record(runner.run(name.replace("/", "_"), order, pass_after=pass_after, lite=True))
         return t.outcome
 
     sr = find_culprits(bl.candidates, test, parent=bl.parent, hints=hints, repeat=opts.repeat,
@@ -199,7 +200,7 @@ def run_bisect(script: str | None, args: Sequence[str], out: Path, opts: BisectO
     ops: list[dict] = []
     if opts.drill:
         emit("start", {"name": "drill-down"})
-        d = record(_run(runner, "drill-down", [], None, reference, probe=culprits))
+        d = record(runner.run("drill-down", [], pass_after=None, probe=culprits))
         ops = _ops_from(Path(d.folder) / "trace.sqlite", culprits)
     result["ops"] = ops
     result["advice"] = fix_snippets(culprits, bl.types, ops)
@@ -210,12 +211,6 @@ def run_bisect(script: str | None, args: Sequence[str], out: Path, opts: BisectO
                              "making its output FP32 for the layers after it (type promotion); look at where the values "
                              "grow next (the report's first non-finite producer)")
     return finish("culprit", notes=notes)
-
-
-def _run(runner: TrialRunner, name: str, fp32: Sequence[str], pass_after: int | None, reference: dict | None,
-         **kw: Any) -> Trial:
-    runner.reference = reference
-    return runner.run(name, fp32, pass_after=pass_after, **kw)
 
 
 def _losses(trace: Path) -> dict[str, float]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import signal
 import subprocess
@@ -22,6 +21,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..config import RunConfig
+from ..launch import RESULT_PATTERN
+from ..oracle import trailing_nonfinite_start
 from ..trace import TraceReader
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class TrialRunner:
         (folder / "config.json").write_text(cfg.to_env())
         env = dict(os.environ, **self.env)
         env["AMPDOCTOR_CONFIG"] = cfg.to_env()
-        env["AMPDOCTOR_TRIAL_RESULT"] = str(folder / ("result.json" if self.nproc == 1 else "result.rank{rank}.json"))
+        env["AMPDOCTOR_TRIAL_RESULT"] = str(folder / ("result.json" if self.nproc == 1 else RESULT_PATTERN))
         env["PYTHONUNBUFFERED"] = "1"
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
@@ -213,17 +214,13 @@ def _trace_tail(path: Path) -> tuple[int | None, int]:
     if bad_out is not None and meta.get("status") == "crashed":
         return int(bad_out), len(steps)  # raised right after the model's output went NaN/Inf
     last_step = steps[-1]["step"]
-    last = steps[-1]["loss"]
-    bad = last is not None and not math.isfinite(last)
-    if not bad:
-        tail = [a for a in acts if a["step"] == last_step]
-        if tail and any(a["nan"] or a["posinf"] or a["neginf"] for a in tail):
-            return last_step, len(steps)
-        return None, len(steps)
-    first = len(steps) - 1
-    while first > 0 and steps[first - 1]["loss"] is not None and not math.isfinite(steps[first - 1]["loss"]):
-        first -= 1
-    return steps[first]["step"], len(steps)
+    tail = trailing_nonfinite_start([(s["step"], s["loss"]) for s in steps])
+    if tail is not None:
+        return tail, len(steps)
+    last_acts = [a for a in acts if a["step"] == last_step]
+    if any(a["nan"] or a["posinf"] or a["neginf"] for a in last_acts):
+        return last_step, len(steps)
+    return None, len(steps)
 
 
 def fork_ok() -> bool:

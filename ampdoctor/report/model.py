@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..formats import Format, get_format
-from ..oracle import Oracle, OracleConfig
+from ..oracle import Decision, Oracle, OracleConfig, trailing_nonfinite_start
 from ..trace import TraceReader, find_traces
 
 KIND_TITLES = {
@@ -197,21 +197,16 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict) -> Diagnosis
     first_loss_bad = next((t["step"] for t in timeline if t["loss"] is not None and not math.isfinite(t["loss"])), None)
     param_events = [e for e in events if e["kind"] == "first_nonfinite" and e["detail"].get("kind") == "weight"]
     if decision is None and param_events:
-        from types import SimpleNamespace
-        decision = SimpleNamespace(outcome="fail", step=param_events[0]["step"], reason="nonfinite_params")
-    if decision is None and timeline and timeline[-1]["loss"] is not None and not math.isfinite(timeline[-1]["loss"]):
+        decision = Decision("fail", param_events[0]["step"], "nonfinite_params")
+    tail = trailing_nonfinite_start([(t["step"], t["loss"]) for t in timeline])
+    if decision is None and tail is not None:
         # the run ended inside a streak of non-finite losses, shorter than the oracle's K: still broken
-        first = len(timeline) - 1
-        while first > 0 and timeline[first - 1]["loss"] is not None and not math.isfinite(timeline[first - 1]["loss"]):
-            first -= 1
-        from types import SimpleNamespace
-        decision = SimpleNamespace(outcome="fail", step=timeline[first]["step"], reason="nonfinite_loss")
+        decision = Decision("fail", tail, "nonfinite_loss")
     fwd_events = [e for e in events if e["kind"] == "first_nonfinite" and e["detail"].get("kind") == "activation"]
     if decision is None and meta.get("status") == "crashed" and fwd_events:
         # the script raised after its forward went non-finite (`if loss.isnan(): raise`): the loss of
         # that last step never reached backward, but the outputs say what happened
-        from types import SimpleNamespace
-        decision = SimpleNamespace(outcome="fail", step=fwd_events[0]["step"], reason="nonfinite_loss")
+        decision = Decision("fail", fwd_events[0]["step"], "nonfinite_loss")
     fn = _pick_first_nonfinite(events, decision)
     skipped = sum(1 for t in timeline if t["skipped"])
     lines = []
