@@ -35,6 +35,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from . import _stats_nvrtc
 from . import stats as _stats
 from .formats import Format
 
@@ -43,6 +44,7 @@ log = logging.getLogger(__name__)
 __all__ = ["available", "install", "uninstall", "fused_batch_stats"]
 
 ENV_DISABLE = "AMPDOCTOR_FUSED"  # "0" turns the fused path off (the torch path is used)
+ENV_BACKEND = "AMPDOCTOR_FUSED_BACKEND"  # auto (default), nvrtc or triton
 
 _BLOCK = 1024            # elements per inner iteration of a stage-1 program
 _CHUNK = 16 * _BLOCK     # elements per stage-1 program (one partial row each), at least
@@ -59,7 +61,7 @@ _KINDS = {
 }
 _INT_VIEW = {16: torch.int16, 32: torch.int32, 64: torch.int64}
 
-_state: dict[str, Any] = {"kernels": None, "error": None}
+_state: dict[str, Any] = {"kernels": None, "error": None, "nvrtc": {}}
 
 
 def _inf_bits(bits: int, mbits: int) -> int:
@@ -67,14 +69,7 @@ def _inf_bits(bits: int, mbits: int) -> int:
     return ((1 << ebits) - 1) << mbits
 
 
-def _bits_of(value: float, dtype: torch.dtype) -> int:
-    """Magnitude bits of the largest value of ``dtype`` that is ``<= value`` (value >= 0)."""
-    _, bits, mbits, _ = _KINDS[dtype]
-    t = torch.tensor(value, dtype=torch.float64).to(dtype)  # round to nearest
-    b = int(t.view(_INT_VIEW[bits]).item()) & ((1 << (bits - 1)) - 1)
-    if float(t.to(torch.float64)) > value:
-        b -= 1  # positive floats: one step down in bits is one step down in value
-    return min(b, _inf_bits(bits, mbits) - 1)
+_bits_of = _stats_nvrtc.bits_of
 
 
 def _hist_bins(fmt: Format) -> int:
@@ -109,13 +104,34 @@ def _kernels() -> dict | None:
     return _state["kernels"]
 
 
+def _nvrtc_ok(dev: torch.device) -> bool:
+    """Whether the NVRTC kernels serve ``dev`` (``AMPDOCTOR_FUSED_BACKEND``: ``nvrtc``,
+    ``triton`` or ``auto``, the default: NVRTC where it compiles, else Triton)."""
+    choice = os.environ.get(ENV_BACKEND, "auto")
+    if choice == "triton":
+        return False
+    ok = _state["nvrtc"].get(dev.index)
+    if ok is None:
+        from . import _stats_nvrtc
+        ok = _state["nvrtc"][dev.index] = _stats_nvrtc.available(dev)
+    return ok
+
+
+def backend(dev: torch.device | None = None) -> str | None:
+    """The fused path that serves ``dev`` (``"nvrtc"`` or ``"triton"``), or ``None``."""
+    if os.environ.get(ENV_DISABLE, "1") == "0" or not torch.cuda.is_available():
+        return None
+    dev = dev or torch.device("cuda", torch.cuda.current_device())
+    if _nvrtc_ok(dev):
+        return "nvrtc"
+    if os.environ.get(ENV_BACKEND, "auto") == "nvrtc":
+        return None
+    return "triton" if _kernels() is not None else None
+
+
 def available() -> bool:
-    """Whether the fused path can run here: CUDA present, Triton importable, not disabled."""
-    if os.environ.get(ENV_DISABLE, "1") == "0":
-        return False
-    if not torch.cuda.is_available():
-        return False
-    return _kernels() is not None
+    """Whether a fused path can run here: CUDA present, NVRTC or Triton usable, not disabled."""
+    return backend() is not None
 
 
 def install() -> bool:
@@ -188,9 +204,10 @@ def fused_batch_stats(tensors: Sequence[torch.Tensor], fmt: Format, *, _allow_cp
     dev = tensors[0].device
     if (dev.type != "cuda" and not _allow_cpu) or any(t.device != dev for t in tensors):
         return None
-    kern = _kernels()
-    if kern is None:
+    which = backend(dev) if dev.type == "cuda" else ("triton" if _kernels() is not None else None)
+    if which is None:
         return None
+    kinds = _stats_nvrtc.KINDS if which == "nvrtc" else _KINDS
     width = _stats.row_width(fmt)
     n = len(tensors)
     out = torch.empty((n, width), dtype=torch.float64, device=dev)
@@ -199,7 +216,7 @@ def fused_batch_stats(tensors: Sequence[torch.Tensor], fmt: Format, *, _allow_cp
     views: list[torch.Tensor | None] = [None] * n
     for i, t in enumerate(tensors):
         x = t.detach()
-        if x.dtype not in _KINDS or x.numel() > _MAX_NUMEL:
+        if x.dtype not in kinds or x.numel() > _MAX_NUMEL:
             other.append(i)
             continue
         if not x.is_contiguous():
@@ -208,6 +225,11 @@ def fused_batch_stats(tensors: Sequence[torch.Tensor], fmt: Format, *, _allow_cp
             x = x.clone()  # keep every pointer 16-byte aligned (one kernel specialisation)
         views[i] = x
         groups.setdefault(x.dtype, []).append(i)
+    if groups and which == "nvrtc":
+        order = [i for g in groups.values() for i in g]
+        _stats_nvrtc.run([views[i] for i in order], order, fmt, out, _to_device)
+        groups = {}
+    kern = _kernels() if groups else None
     if groups:
         order = [i for g in groups.values() for i in g]
         numel = np.array([views[i].numel() for i in order], dtype=np.int64)

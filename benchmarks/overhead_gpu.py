@@ -182,21 +182,22 @@ def profile_every1(step, model, n: int, out_dir: str, tag: str) -> None:
 
 
 def kernel_throughput() -> None:
-    """The fused statistics kernel alone, against one read of the same bytes (``amax``)."""
+    """The fused statistics kernels alone (NVRTC and Triton), against one read of the same
+    bytes (``amax``: a single pass, one launch per tensor)."""
     fmt = ampdoctor.get_format("fp16")
     cases = {
         "1 x 201M fp16 (B=128 T=512 FFN activation)": [torch.randn(128 * 512 * 3072, device="cuda").half()],
+        "1 x 201M fp16, half zeros (GELU grad-like)": [torch.randn(128 * 512 * 3072, device="cuda").half().relu()],
         "100 x 3.1M fp16 (B=32 T=128 FFN activation)": [torch.randn(32 * 128 * 768, device="cuda").half()
                                                        for _ in range(100)],
         "1 x 50M fp32 (LayerNorm output)": [torch.randn(128 * 512 * 768, device="cuda")],
+        "1 x 50M bf16": [torch.randn(128 * 512 * 768, device="cuda").bfloat16()],
         "200 x 768 fp32 + 200 x 590K fp32 (biases, weights)": (
             [torch.randn(768, device="cuda") for _ in range(200)] +
             [torch.randn(768 * 768, device="cuda") for _ in range(200)]),
     }
-    kern = stats_cuda._kernels()
-    chosen = kern["sub"]
-    print(f"\n## fused statistics kernel alone (CUDA events, median of 10; histogram copies chosen: {chosen})")
-    print("| tensors | chosen ms | 1 copy ms | 32 copies ms | one read (amax) ms | GB/s chosen |")
+    print("\n## fused statistics kernels alone (CUDA events, median of 10; fp16 format)")
+    print("| tensors | NVRTC ms | NVRTC GB/s | Triton ms | one read (amax) ms | read GB/s |")
     print("|---|---|---|---|---|---|")
 
     def timed(fn):
@@ -211,18 +212,25 @@ def kernel_throughput() -> None:
             times.append(a.elapsed_time(b))
         return sorted(times)[5]
 
+    old = os.environ.get(stats_cuda.ENV_BACKEND)
     try:
         for name, ts in cases.items():
             nbytes = sum(t.numel() * t.element_size() for t in ts)
             res = []
-            for sub in (chosen, 1, 32):
-                kern["sub"] = sub
+            for which in ("nvrtc", "triton"):
+                os.environ[stats_cuda.ENV_BACKEND] = which
+                if stats_cuda.backend() != which:
+                    res.append(float("nan"))
+                    continue
                 res.append(timed(lambda ts=ts: stats_cuda.fused_batch_stats(ts, fmt)))
-            res.append(timed(lambda ts=ts: [t.abs().amax() for t in ts]))
-            print(f"| {name} | {res[0]:.3f} | {res[1]:.3f} | {res[2]:.3f} | {res[3]:.3f} | "
-                  f"{nbytes / res[0] / 1e6:.0f} |", flush=True)
+            res.append(timed(lambda ts=ts: [t.amax() for t in ts]))
+            print(f"| {name} | {res[0]:.3f} | {nbytes / res[0] / 1e6:.0f} | {res[1]:.3f} | {res[2]:.3f} | "
+                  f"{nbytes / res[2] / 1e6:.0f} |", flush=True)
     finally:
-        kern["sub"] = chosen
+        if old is None:
+            os.environ.pop(stats_cuda.ENV_BACKEND, None)
+        else:
+            os.environ[stats_cuda.ENV_BACKEND] = old
     del cases
     torch.cuda.empty_cache()
 
@@ -247,7 +255,7 @@ def main() -> None:
     steps = [int(v) for v in args.steps.split(",")]
     props = torch.cuda.get_device_properties(0)
     print(f"# ampdoctor GPU overhead  {time.strftime('%Y-%m-%d')}  {props.name}  torch {torch.__version__}  "
-          f"triton {_triton_version()}  fused stats: {stats_cuda.available()}")
+          f"triton {_triton_version()}  fused stats: {stats_cuda.backend()}")
     if args.kernel:
         kernel_throughput()
     for (batch, seq), k in zip(regimes, steps + steps[-1:] * len(regimes)):

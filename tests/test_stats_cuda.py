@@ -18,14 +18,18 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 SIZES = (0, 1, 3, 17, 1000, 1023, 1024, 1025, 16383, 16384, 16385, 100_003, (1 << 20) + 7)
 
 
-@pytest.fixture(autouse=True)
-def _fused():
+@pytest.fixture(autouse=True, params=["nvrtc", "triton"])
+def _fused(request, monkeypatch):
+    """Every test runs on both fused paths: the NVRTC-compiled CUDA kernel and the Triton one."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    pytest.importorskip("triton")
-    os.environ.pop(stats_cuda.ENV_DISABLE, None)
-    assert stats_cuda.available(), stats_cuda._state["error"]
-    yield
+    if request.param == "triton":
+        pytest.importorskip("triton")
+    monkeypatch.delenv(stats_cuda.ENV_DISABLE, raising=False)
+    monkeypatch.setenv(stats_cuda.ENV_BACKEND, request.param)
+    stats_cuda.uninstall()
+    assert stats_cuda.backend() == request.param, (stats_cuda._state, request.param)
+    yield request.param
     stats_cuda.uninstall()
 
 

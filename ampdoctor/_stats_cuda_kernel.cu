@@ -1,0 +1,346 @@
+// Fused per-tensor statistics (ampdoctor.stats rows) for fp16 / bf16 / fp32 CUDA tensors.
+// Compiled at run time by NVRTC (ampdoctor/_stats_nvrtc.py), once per (input dtype, target
+// format); the constants below are #defined in front of this source by that module:
+//
+//   DT            input dtype: 0 fp16, 1 bf16, 2 fp32
+//   NB, P         histogram bins of the format, and the padded per-chunk histogram width
+//   MIN_EXP, NORMAL_EXP   the format's exponents (see ampdoctor/formats.py)
+//   C             fast path: bin = E + C, with E the exponent field of the value as an fp32
+//   BMAX          magnitude bits of the largest input value <= the format's max
+//   LO_CLAMP, HI_CLAMP, ZERO_IN_BIN0, NEED_OVF, SUBN_SPECIAL, LANE_HIST: see stage1
+//   NT            threads per block
+//
+// Stage 1: one block per chunk of one tensor -> a histogram of P int32 counters and four
+// integer keys (min, max, absmax, smallest non-zero |x|, as +-magnitude bits). Stage 2: one block
+// per tensor folds its chunks and writes the float64 row. Nothing is computed by rounding
+// arithmetic: classes and bins come from bit patterns, and the float min/max of the fast path
+// are exact (a min or max is one of its inputs). See stats_cuda.py for the layout of the codes.
+//
+// The same source compiles on the host (tests/cuda_emu.h) to check the arithmetic on a CPU.
+
+#ifdef __CUDACC__
+#define DEV __device__ __forceinline__
+typedef unsigned int u32;
+typedef long long i64;
+typedef unsigned long long u64;
+DEV float h2f(u32 h) {
+    float f;
+    unsigned short s = (unsigned short)h;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(s));
+    return f;
+}
+DEV u32 f2h(float f) {  // exact for values that fp16 holds
+    unsigned short s;
+    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(s) : "f"(f));
+    return (u32)s;
+}
+#endif
+
+#define NW (NT / 32)
+
+#if DT == 0
+#define MB 10
+#define BIAS 15
+#define INFB 0x7C00
+#define MAG 0x7FFFu
+#define SIGN 0x8000u
+#define VEC 8
+#elif DT == 1
+#define MB 7
+#define BIAS 127
+#define INFB 0x7F80
+#define MAG 0x7FFFu
+#define SIGN 0x8000u
+#define VEC 8
+#else
+#define MB 23
+#define BIAS 127
+#define INFB 0x7F800000
+#define MAG 0x7FFFFFFFu
+#define SIGN 0x80000000u
+#define VEC 4
+#endif
+
+DEV float to_float(u32 bits) {
+#if DT == 0
+    return h2f(bits);
+#elif DT == 1
+    return __uint_as_float(bits << 16);
+#else
+    return __uint_as_float(bits);
+#endif
+}
+
+DEV u32 from_float(float f) {  // the input dtype's bits of a value it holds
+#if DT == 0
+    return f2h(f);
+#elif DT == 1
+    return __float_as_uint(f) >> 16;
+#else
+    return __float_as_uint(f);
+#endif
+}
+
+DEV int key_of(u32 bits) {
+    int a = (int)(bits & MAG);
+    return (bits & SIGN) ? -a : a;
+}
+
+#if LANE_HIST  // h: this lane's own column of its warp's histogram; no other thread touches it
+#define HIST_ADD(h, code) ((h)[(code) * 32] += 1u)
+#else          // h: its warp's histogram
+#define HIST_ADD(h, code) atomicAdd((h) + (code), 1u)
+#endif
+
+// One element, fast path: no NaN/Inf (and, with SUBN_SPECIAL, no subnormal input) in the chunk;
+// a chunk that has any is measured again by slow_el (see stage1).
+DEV void fast_el(u32 bits, float& vmin, float& vmax, u32& vabs, u32& vnzm1, u32& emax, u32* h) {
+    u32 a = bits & MAG;
+    float f = to_float(bits);
+#if DT == 0
+    u32 e = (__float_as_uint(f) >> 23) & 0xFFu;  // fp16 subnormals are fp32 normals: exact
+#else
+    u32 e = a >> MB;
+#endif
+    vmin = fminf(vmin, f);
+    vmax = fmaxf(vmax, f);
+    vabs = max(vabs, a);
+    vnzm1 = min(vnzm1, a - 1u);  // zero wraps to the largest value
+    emax = max(emax, e);
+    int code = (int)e + C;
+#if LO_CLAMP
+    code = max(code, 0);
+#endif
+#if HI_CLAMP
+    code = min(code, NB - 1);
+#else
+    code = min(code, P - 1);  // only NaN/Inf get here, and their chunk is measured again
+#endif
+#if NEED_OVF
+    code = (code == NB - 2 && a > (u32)BMAX) ? NB + 4 : code;
+#endif
+#if !ZERO_IN_BIN0
+    code = (a == 0) ? NB : code;
+#endif
+    HIST_ADD(h, code);
+}
+
+// One element, exact classification of anything (NaN, Inf, subnormal input).
+DEV void slow_el(u32 bits, int& kmin, int& kmax, int& kabs, int& knz, u32* hw) {
+    u32 a = bits & MAG;
+    bool neg = (bits & SIGN) != 0;
+    int code;
+    if (a > (u32)INFB) {
+        code = NB + 1;
+    } else if (a == (u32)INFB) {
+        code = neg ? NB + 3 : NB + 2;
+    } else if (a == 0) {
+        code = NB;
+    } else {
+        u32 ex = a >> MB;
+        int e = ex ? (int)ex - BIAS : (31 - __clz((int)a)) + 1 - BIAS - MB;  // floor(log2|x|)
+        int b = e - MIN_EXP + 1;
+        b = b < 0 ? 0 : (b > NB - 1 ? NB - 1 : b);
+        if (b == NB - 2 && a > (u32)BMAX) b = NB + 4;
+        code = b;
+    }
+    if (a < (u32)INFB) {
+        int key = neg ? -(int)a : (int)a;
+        kmin = min(kmin, key);
+        kmax = max(kmax, key);
+        kabs = max(kabs, (int)a);
+        if (a) knz = min(knz, (int)a);
+    }
+    HIST_ADD(hw, code);
+}
+
+#if LANE_HIST
+#define HIST_WORDS (NW * P * 32)
+#else
+#define HIST_WORDS (NW * P)
+#endif
+
+extern "C" __global__ void stage1(const i64* __restrict__ meta, int m, int g0, int g1, int c0,
+                                  u32* __restrict__ hist_out, i64* __restrict__ keys_out) {
+    // meta: addr[m] numel[m] first[m+1] clen[m] row[m] kind[m] (int64 each)
+    __shared__ u32 hs[HIST_WORDS];
+    __shared__ u32 tot[P];
+    __shared__ int kred[4][NW > 0 ? NW : 1];
+    __shared__ i64 sh_t[2];
+    const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5;
+    const i64 c = (i64)c0 + blockIdx.x;
+    const i64* addr = meta;
+    const i64* numel = meta + m;
+    const i64* first = meta + 2 * m;
+    const i64* clen = meta + 3 * m + 1;
+    if (tid == 0) {  // the tensor of this chunk: the last one of the group starting at or before it
+        int lo = g0, hi = g1 - 1;
+        while (lo < hi) {
+            int mid = (lo + hi + 1) >> 1;
+            if (first[mid] <= c) lo = mid; else hi = mid - 1;
+        }
+        sh_t[0] = lo;
+        sh_t[1] = (c - first[lo]) * clen[lo];
+    }
+    for (int i = tid; i < HIST_WORDS; i += nt) hs[i] = 0u;
+    __syncthreads();
+    const int ti = (int)sh_t[0];
+    const i64 s = sh_t[1];
+    const i64 e = min(s + clen[ti], numel[ti]);
+#if DT == 2
+    const u32* base = (const u32*)addr[ti];
+#else
+    const unsigned short* base = (const unsigned short*)addr[ti];
+#endif
+#if LANE_HIST
+    u32* h = hs + warp * P * 32 + lane;
+#else
+    u32* h = hs + warp * P;
+#endif
+    float vmin = __uint_as_float(0x7F800000u), vmax = -vmin;
+    u32 vabs = 0u, vnzm1 = 0xFFFFFFFFu, emax = 0u;
+    // s is a multiple of 1024 elements and the tensor 16-byte aligned: whole 16-byte vectors first
+    const uint4* vp = (const uint4*)(base + s);
+    const i64 nvec = (e - s) / VEC;
+    i64 v = tid;
+    for (; v + nt < nvec; v += 2 * nt) {
+        uint4 q0 = vp[v];
+        uint4 q1 = vp[v + nt];
+        u32 w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+#if DT == 2
+            fast_el(w[k], vmin, vmax, vabs, vnzm1, emax, h);
+#else
+            fast_el(w[k] & 0xFFFFu, vmin, vmax, vabs, vnzm1, emax, h);
+            fast_el(w[k] >> 16, vmin, vmax, vabs, vnzm1, emax, h);
+#endif
+        }
+    }
+    for (; v < nvec; v += nt) {
+        uint4 q0 = vp[v];
+        u32 w[4] = {q0.x, q0.y, q0.z, q0.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+#if DT == 2
+            fast_el(w[k], vmin, vmax, vabs, vnzm1, emax, h);
+#else
+            fast_el(w[k] & 0xFFFFu, vmin, vmax, vabs, vnzm1, emax, h);
+            fast_el(w[k] >> 16, vmin, vmax, vabs, vnzm1, emax, h);
+#endif
+        }
+    }
+    for (i64 i = s + nvec * VEC + tid; i < e; i += nt) {
+        fast_el((u32)base[i], vmin, vmax, vabs, vnzm1, emax, h);
+    }
+    int kmin = key_of(from_float(vmin)), kmax = key_of(from_float(vmax));
+    int kabs = (int)vabs;
+    int knz = vnzm1 == 0xFFFFFFFFu ? INFB : (int)(vnzm1 + 1u);
+    int special = emax == 0xFFu;
+#if SUBN_SPECIAL
+    special |= knz < (1 << MB);  // a subnormal input: its bin is not E + C
+#endif
+    if (__syncthreads_or(special)) {  // rare: NaN/Inf (or subnormals): measure the chunk again, exactly
+        for (int i = tid; i < HIST_WORDS; i += nt) hs[i] = 0u;
+        __syncthreads();
+        kmin = INFB; kmax = -INFB; kabs = 0; knz = INFB;
+        for (i64 i = s + tid; i < e; i += nt) slow_el((u32)base[i], kmin, kmax, kabs, knz, h);
+    }
+    // keys: warp, then block
+    for (int o = 16; o > 0; o >>= 1) {
+        kmin = min(kmin, __shfl_xor_sync(0xFFFFFFFFu, kmin, o));
+        kmax = max(kmax, __shfl_xor_sync(0xFFFFFFFFu, kmax, o));
+        kabs = max(kabs, __shfl_xor_sync(0xFFFFFFFFu, kabs, o));
+        knz = min(knz, __shfl_xor_sync(0xFFFFFFFFu, knz, o));
+    }
+    if (lane == 0) {
+        kred[0][warp] = kmin; kred[1][warp] = kmax; kred[2][warp] = kabs; kred[3][warp] = knz;
+    }
+    __syncthreads();
+    for (int b = tid; b < P; b += nt) {
+        u32 sum = 0u;
+#if LANE_HIST
+        for (int w = 0; w < NW; ++w)
+            for (int l = 0; l < 32; ++l) sum += hs[(w * P + b) * 32 + ((l + b) & 31)];  // skewed: no bank conflicts
+#else
+        for (int w = 0; w < NW; ++w) sum += hs[w * P + b];
+#endif
+        tot[b] = sum;
+    }
+    __syncthreads();
+    for (int b = tid; b < P; b += nt) {
+        u32 val = tot[b];
+#if ZERO_IN_BIN0
+        if (b == 0) val = 0u;          // zeros landed in bin 0 (nothing else can)
+        if (b == NB) val += tot[0];
+#endif
+        hist_out[c * P + b] = val;
+    }
+    if (tid == 0) {
+        int a0 = kred[0][0], a1 = kred[1][0], a2 = kred[2][0], a3 = kred[3][0];
+        for (int w = 1; w < nt / 32; ++w) {
+            a0 = min(a0, kred[0][w]); a1 = max(a1, kred[1][w]); a2 = max(a2, kred[2][w]); a3 = min(a3, kred[3][w]);
+        }
+        keys_out[c * 4 + 0] = a0;
+        keys_out[c * 4 + 1] = a1;
+        keys_out[c * 4 + 2] = a2;
+        keys_out[c * 4 + 3] = a3;
+    }
+}
+
+DEV double decode(i64 key, i64 kind) {
+    bool neg = key < 0;
+    u32 a = (u32)(neg ? -key : key);
+    float f;
+    if (kind == 0) f = a >= 0x7C00u ? __uint_as_float(0x7F800000u) : h2f(a);
+    else if (kind == 1) f = __uint_as_float(a << 16);
+    else f = __uint_as_float(a);
+    double d = (double)f;
+    return neg ? -d : d;
+}
+
+DEV i64 inf_bits(i64 kind) { return kind == 0 ? 0x7C00 : (kind == 1 ? 0x7F80 : 0x7F800000); }
+
+extern "C" __global__ void stage2(const i64* __restrict__ meta, int m, const u32* __restrict__ hist,
+                                  const i64* __restrict__ keys, double* __restrict__ out, int width) {
+    __shared__ i64 tot[P];
+    __shared__ i64 kk[4];
+    const int tid = threadIdx.x, nt = blockDim.x;
+    const int t = blockIdx.x;
+    const i64 numel = meta[m + t];
+    const i64 c0 = meta[2 * m + t];
+    const i64 nch = meta[2 * m + t + 1] - c0;
+    const i64 row = meta[4 * m + 1 + t];
+    const i64 kind = meta[5 * m + 1 + t];
+    for (int b = tid; b < P; b += nt) {
+        i64 sum = 0;
+        for (i64 k = 0; k < nch; ++k) sum += hist[(c0 + k) * P + b];
+        tot[b] = sum;
+    }
+    for (int q = tid; q < 4; q += nt) {
+        i64 inf = inf_bits(kind);
+        i64 acc = q == 0 ? inf : (q == 1 ? -inf : (q == 2 ? 0 : inf));
+        for (i64 k = 0; k < nch; ++k) {
+            i64 v = keys[(c0 + k) * 4 + q];
+            acc = (q == 0 || q == 3) ? min(acc, v) : max(acc, v);
+        }
+        kk[q] = acc;
+    }
+    __syncthreads();
+    double* o = out + row * width;
+    const i64 over_top = tot[NB + 4];
+    if (tid == 0) {
+        o[0] = (double)numel;
+        o[1] = (double)tot[NB + 1];
+        o[2] = (double)tot[NB + 2];
+        o[3] = (double)tot[NB + 3];
+        o[4] = (double)tot[NB];
+        for (int k = 0; k < 4; ++k) o[5 + k] = decode(kk[k], kind);
+        o[9] = (double)(tot[NB - 1] + over_top);
+        i64 sub = 0;
+        for (int b = 1; b <= NORMAL_EXP - MIN_EXP; ++b) sub += tot[b];
+        o[10] = (double)sub;
+        o[11] = (double)tot[0];
+    }
+    for (int b = tid; b < NB; b += nt) o[12 + b] = (double)(tot[b] + (b == NB - 2 ? over_top : 0));
+}

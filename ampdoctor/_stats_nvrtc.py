@@ -1,0 +1,163 @@
+"""The statistics kernels of ``_stats_cuda_kernel.cu``, compiled at run time with NVRTC (which
+ships with CUDA builds of torch) through ``torch.cuda._compile_kernel``, and launched for
+:mod:`ampdoctor.stats_cuda`.
+
+Why a CUDA kernel and not only Triton: the exponent histogram. Each element adds one to one of
+~64 counters; in CUDA each lane keeps its own column of counters in shared memory (a load, an
+add and a store, no atomics, no bank conflicts), where Triton's ``tl.histogram`` lowers to warp
+ballots whose cost grows with the number of bins (about 4x slower than this kernel on an H200).
+
+:func:`defines` (the per-(dtype, format) constants) is shared with the host-compiled check of
+the kernel's arithmetic in ``tests/test_stats_kernel_emu.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from .formats import Format
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("_stats_cuda_kernel.cu")
+NT = 128              # threads per block
+MIN_CHUNK = 1 << 16   # elements per stage-1 block, at least (the histogram fold costs ~P loads a thread)
+MAX_CHUNKS = 1024     # per tensor: huge tensors get longer chunks, not more
+ALIGN = 1024          # chunk starts are multiples of this many elements (16-byte vector loads)
+
+# dtype -> (kind, bits, mantissa bits, exponent bias); fp64 and fp8 are not ours (torch path)
+KINDS = {
+    torch.float16: (0, 16, 10, 15),
+    torch.bfloat16: (1, 16, 7, 127),
+    torch.float32: (2, 32, 23, 127),
+}
+_INT_VIEW = {16: torch.int16, 32: torch.int32, 64: torch.int64}
+
+
+def bits_of(value: float, dtype: torch.dtype) -> int:
+    """Magnitude bits of the largest finite value of ``dtype`` that is ``<= value`` (value >= 0)."""
+    fi = torch.finfo(dtype)
+    bits, mbits = fi.bits, int(round(-math.log2(fi.eps)))
+    t = torch.tensor(value, dtype=torch.float64).to(dtype)  # round to nearest
+    b = int(t.view(_INT_VIEW[bits]).item()) & ((1 << (bits - 1)) - 1)
+    if float(t.to(torch.float64)) > value:
+        b -= 1  # positive floats: one step down in bits is one step down in value
+    inf = ((1 << (bits - 1 - mbits)) - 1) << mbits
+    return min(b, inf - 1)
+
+
+def hist_width(fmt: Format) -> int:
+    """Per-chunk histogram width P: the format's bins, zero, NaN, +Inf, -Inf, "overflowing
+    values of the top exponent bin", a dump bin; a power of two, at least 32."""
+    p = 32
+    while p < fmt.n_bins + 6:
+        p *= 2
+    return p
+
+
+def defines(dtype: torch.dtype, fmt: Format) -> dict[str, int]:
+    """The constants the kernel source is compiled with for inputs of ``dtype`` against ``fmt``.
+
+    Fast path: ``E`` is the exponent field of the value as an fp32 (fp16 subnormals are fp32
+    normals; bf16/fp32 subnormals have ``E = 0``), and the bin is ``E + C`` clamped."""
+    kind, bits, mbits, bias = KINDS[dtype]
+    nb, p = fmt.n_bins, hist_width(fmt)
+    c = -127 - fmt.min_exp + 1
+    e_min_nz = 127 - 24 if kind == 0 else 0       # smallest E of a non-zero input
+    e_max = 127 + 15 if kind == 0 else 254        # largest E of a finite input
+    inf = ((1 << (bits - 1 - mbits)) - 1) << mbits
+    top = fmt.max_exp + bias  # exponent field of the format's top bin, in the input dtype
+    bmax = bits_of(fmt.max, dtype)
+    need_ovf = 1 <= top <= (inf >> mbits) - 1 and ((top << mbits) | ((1 << mbits) - 1)) > bmax
+    return dict(
+        DT=kind, NB=nb, P=p, MIN_EXP=fmt.min_exp, NORMAL_EXP=fmt.normal_exp, C=c, BMAX=bmax,
+        LO_CLAMP=int(c < 0),
+        HI_CLAMP=int(e_max + c > nb - 1),
+        # zero has E = 0; when no non-zero input can land in bin 0, zeros are counted there and moved
+        ZERO_IN_BIN0=int(c <= 0 and e_min_nz + c >= 1),
+        NEED_OVF=int(need_ovf),
+        # bf16/fp32 subnormals (E = 0) belong in bin 0 only when the format's range starts above them
+        SUBN_SPECIAL=int(kind != 0 and c > 0),
+        LANE_HIST=int(p <= 64),
+        NT=NT,
+    )
+
+
+def source(consts: dict[str, int]) -> str:
+    return "".join(f"#define {k} ({v})\n" for k, v in consts.items()) + SOURCE.read_text()
+
+
+_cache: dict[tuple, Any] = {}
+
+
+def _kernel(name: str, consts: dict[str, int], dev: torch.device) -> Any:
+    key = (name, dev.index, tuple(sorted(consts.items())))
+    k = _cache.get(key)
+    if k is None:
+        with torch.cuda.device(dev):
+            k = torch.cuda._compile_kernel(source(consts), name)
+        _cache[key] = k
+    return k
+
+
+def available(dev: torch.device | None = None) -> bool:
+    """Whether NVRTC compiles and loads the kernels here (tries once per device)."""
+    from .formats import get_format
+    dev = dev or torch.device("cuda", torch.cuda.current_device())
+    try:
+        fmt = get_format("fp16")
+        _kernel("stage1", defines(torch.float16, fmt), dev)
+        _kernel("stage2", defines(torch.float16, fmt), dev)
+        return True
+    except Exception as e:  # no NVRTC, an older torch, another GPU vendor: the Triton path stays
+        log.info("ampdoctor: NVRTC statistics kernels unavailable (%s: %s)", type(e).__name__, e)
+        return False
+
+
+def chunking(numel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(chunk length, number of chunks) per tensor; chunk lengths are multiples of ALIGN."""
+    nchunk = np.clip((numel + MIN_CHUNK - 1) // MIN_CHUNK, 1, MAX_CHUNKS)
+    clen = np.maximum((numel + nchunk * ALIGN - 1) // (nchunk * ALIGN) * ALIGN, ALIGN)
+    nchunk = (numel + clen - 1) // clen  # 0 for an empty tensor
+    return clen, nchunk
+
+
+def run(views: Sequence[torch.Tensor], rows: Sequence[int], fmt: Format, out: torch.Tensor,
+        to_device) -> None:
+    """Write the rows of ``views`` (contiguous, 16-byte aligned fp16/bf16/fp32 tensors on
+    ``out``'s device, grouped by dtype) into ``out[rows]``: a stage-1 launch per dtype and one
+    stage-2 launch; one host-to-device copy of the tensor table. No host sync."""
+    dev = out.device
+    m = len(views)
+    numel = np.fromiter((v.numel() for v in views), dtype=np.int64, count=m)
+    clen, nchunk = chunking(numel)
+    first = np.zeros(m + 1, dtype=np.int64)
+    np.cumsum(nchunk, out=first[1:])
+    kinds = [KINDS[v.dtype][0] for v in views]
+    meta = np.concatenate([
+        np.fromiter((v.data_ptr() for v in views), dtype=np.int64, count=m), numel, first, clen,
+        np.asarray(rows, dtype=np.int64), np.asarray(kinds, dtype=np.int64)])
+    d_meta = to_device(meta, dev)
+    total = int(first[-1])
+    p = hist_width(fmt)
+    hist = torch.empty((max(total, 1), p), dtype=torch.int32, device=dev)
+    keys = torch.empty((max(total, 1), 4), dtype=torch.int64, device=dev)
+    stream = torch.cuda.current_stream(dev)
+    g0 = 0
+    while g0 < m:
+        g1 = g0 + 1
+        while g1 < m and views[g1].dtype == views[g0].dtype:
+            g1 += 1
+        n = int(first[g1] - first[g0])
+        if n:
+            k = _kernel("stage1", defines(views[g0].dtype, fmt), dev)
+            k(grid=(n, 1, 1), block=(NT, 1, 1), args=[d_meta, m, g0, g1, int(first[g0]), hist, keys], stream=stream)
+        g0 = g1
+    k2 = _kernel("stage2", defines(torch.float16, fmt), dev)
+    k2(grid=(m, 1, 1), block=(NT, 1, 1), args=[d_meta, m, hist, keys, out, out.shape[1]], stream=stream)

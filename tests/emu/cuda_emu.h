@@ -1,0 +1,46 @@
+// Host stand-ins for the CUDA built-ins used by ampdoctor/_stats_cuda_kernel.cu, so that its
+// arithmetic can be checked on a CPU (tests/test_stats_kernel_emu.py). One thread per block:
+// barriers are no-ops, a shuffle returns its own value, atomics are plain adds.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#define __global__
+#define __restrict__
+#define __shared__ static
+#define DEV static inline
+typedef unsigned int u32;
+typedef long long i64;
+typedef unsigned long long u64;
+struct dim3_ { unsigned x, y, z; };
+static dim3_ threadIdx = {0, 0, 0}, blockIdx = {0, 0, 0}, blockDim = {1, 1, 1};
+struct uint4 { u32 x, y, z, w; };
+using std::max;
+using std::min;
+static inline void __syncthreads() {}
+static inline int __syncthreads_or(int p) { return p; }
+static inline int __shfl_xor_sync(unsigned, int v, int) { return v; }
+static inline u32 atomicAdd(u32* p, u32 v) { u32 o = *p; *p += v; return o; }
+static inline u32 __float_as_uint(float f) { u32 u; std::memcpy(&u, &f, 4); return u; }
+static inline float __uint_as_float(u32 u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline int __clz(int x) { return x ? __builtin_clz((unsigned)x) : 32; }
+static inline float h2f(u32 h) {  // fp16 bits -> float, exact
+    u32 s = (h >> 15) & 1u, e = (h >> 10) & 31u, m = h & 1023u;
+    float v;
+    if (e == 31) v = m ? NAN : INFINITY;
+    else if (e == 0) v = std::ldexp((float)m, -24);
+    else v = std::ldexp((float)(m | 1024u), (int)e - 25);
+    return s ? -v : v;
+}
+static inline u32 f2h(float f) {  // float that fp16 holds exactly (or +-inf) -> fp16 bits
+    u32 s = std::signbit(f) ? 0x8000u : 0u;
+    float a = std::fabs(f);
+    if (std::isinf(a)) return s | 0x7C00u;
+    if (a == 0.0f) return s;
+    int e;
+    float fr = std::frexp(a, &e);  // a = fr * 2^e, fr in [0.5, 1)
+    int ex = e - 1 + 15;           // biased exponent of a
+    if (ex <= 0) return s | (u32)std::ldexp(a, 24);  // subnormal: a / 2^-24
+    return s | ((u32)ex << 10) | ((u32)std::ldexp(fr * 2.0f - 1.0f, 10));
+}

@@ -1,0 +1,84 @@
+"""The CUDA statistics kernel (ampdoctor/_stats_cuda_kernel.cu) compiled for the CPU with a C++
+compiler and the stand-ins of tests/emu/cuda_emu.h (one thread per block), against the torch
+path: the kernel's classification, fast path, slow path and chunk folding give the same rows,
+for every input dtype it serves and every format. The GPU run itself is checked by
+tests/test_stats_cuda.py (marked cuda)."""
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from ampdoctor import _stats_nvrtc, stats
+from ampdoctor.formats import FORMATS
+
+EMU = Path(__file__).parent / "emu"
+CXX = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+pytestmark = pytest.mark.skipif(CXX is None, reason="needs a C++ compiler")
+CLEN = 1024  # short chunks: several per tensor, so stage 2 folds them
+
+
+@pytest.fixture(scope="module")
+def build(tmp_path_factory):
+    out = tmp_path_factory.mktemp("emu")
+    built: dict = {}
+
+    def get(dtype, fmt):
+        key = (dtype, fmt.name)
+        if key not in built:
+            src = out / f"k_{len(built)}.cu"
+            src.write_text(_stats_nvrtc.source(_stats_nvrtc.defines(dtype, fmt)))
+            exe = out / f"k_{len(built)}"
+            subprocess.run([CXX, "-O1", "-std=c++17", f"-I{EMU}", f'-DKERNEL_SOURCE="{src}"', "-x", "c++",
+                            str(EMU / "driver.cpp"), "-o", str(exe)], check=True, capture_output=True)
+            built[key] = exe
+        return built[key]
+
+    return get, out
+
+
+def _values(dtype, n, seed, special: bool):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g, dtype=torch.float64)
+    x = x * torch.exp2(torch.randint(-160, 140, (n,), generator=g).to(torch.float64))
+    x = x.clamp(-3.4e38, 3.4e38)
+    if not special:  # the fast path: finite only (zeros and tiny values included)
+        x[::7] = 0.0
+        x = x.to(dtype)
+        return x.masked_fill(~torch.isfinite(x), 1.0)
+    x = x.to(dtype)
+    fi = torch.finfo(dtype)
+    sp = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.0, -0.0, fi.max, -fi.max, fi.tiny,
+                       fi.tiny * fi.eps, 65504.0, 65520.0, 65536.0, -70000.0, 2.0 ** -24, 2.0 ** -25, 2.0 ** -14,
+                       2.0 ** -133, 2.0 ** -149, 448.0, 464.0, 57344.0, 61440.0], dtype=torch.float64).to(dtype)
+    idx = torch.randint(0, n, (max(1, n // 9),), generator=g)
+    x[idx] = sp[torch.randint(0, len(sp), (len(idx),), generator=g)]
+    return x
+
+
+CASES = [(n, special) for n in (1, 9, 1023, 1024, 3000, 20_011) for special in (False, True)]
+
+
+@pytest.mark.parametrize("dtype", list(_stats_nvrtc.KINDS))
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_emulated_kernel_rows_equal_torch_path(build, dtype, fmt):
+    get, tmp = build
+    fmt = FORMATS[fmt]
+    exe = get(dtype, fmt)
+    width = stats.row_width(fmt)
+    tensors = [_values(dtype, n, 1000 * n + special, special) for n, special in CASES]
+    tensors += [torch.zeros(2048, dtype=dtype), torch.full((1500,), float("nan"), dtype=dtype),
+                torch.full((1100,), 2.0 ** -130, dtype=dtype)]  # fp32/bf16 subnormals (fp16: 0)
+    for i, t in enumerate(tensors):
+        raw = tmp / "in.bin"
+        res = tmp / "out.bin"
+        t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32).numpy().tofile(raw)
+        subprocess.run([str(exe), str(raw), str(res), str(t.numel()), str(CLEN), str(width)], check=True)
+        got = np.fromfile(res, dtype=np.float64)
+        ref = stats.tensor_stats(t, fmt).numpy()
+        bad = np.nonzero(got != ref)[0].tolist()
+        assert not bad, (i, t.numel(), [(stats.FIELDS[j] if j < stats.N_FIELDS else f"bin{j - stats.N_FIELDS}",
+                                        got[j], ref[j]) for j in bad[:8]])
