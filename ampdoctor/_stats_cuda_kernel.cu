@@ -86,9 +86,12 @@ DEV int key_of(u32 bits) {
     return (bits & SIGN) ? -a : a;
 }
 
-#if LANE_HIST  // h: this lane's own column of its warp's histogram; no other thread touches it
-#define HIST_ADD(h, code) ((h)[(code) * 32] += 1u)
-#else          // h: its warp's histogram
+// h: this lane's own column of its warp's histogram (LANE_HIST: counters of a bin 32 words apart,
+// one bank per lane, so a warp's adds never conflict), or its warp's histogram. A reduction
+// (red.shared.add) does not wait for the old value: consecutive adds do not form a chain.
+#if LANE_HIST
+#define HIST_ADD(h, code) atomicAdd((h) + (code) * 32, 1u)
+#else
 #define HIST_ADD(h, code) atomicAdd((h) + (code), 1u)
 #endif
 
@@ -301,46 +304,62 @@ DEV double decode(i64 key, i64 kind) {
 
 DEV i64 inf_bits(i64 kind) { return kind == 0 ? 0x7C00 : (kind == 1 ? 0x7F80 : 0x7F800000); }
 
+#define NT2 256  // stage-2 threads per block
+
 extern "C" __global__ void stage2(const i64* __restrict__ meta, int m, const u32* __restrict__ hist,
                                   const i64* __restrict__ keys, double* __restrict__ out, int width) {
-    __shared__ i64 tot[P];
-    __shared__ i64 kk[4];
-    const int tid = threadIdx.x, nt = blockDim.x;
+    __shared__ unsigned long long tot[P];
+    __shared__ i64 kred[4][NT2 / 32];
+    const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5;
     const int t = blockIdx.x;
     const i64 numel = meta[m + t];
     const i64 c0 = meta[2 * m + t];
     const i64 nch = meta[2 * m + t + 1] - c0;
     const i64 row = meta[4 * m + 1 + t];
     const i64 kind = meta[5 * m + 1 + t];
-    for (int b = tid; b < P; b += nt) {
-        i64 sum = 0;
-        for (i64 k = 0; k < nch; ++k) sum += hist[(c0 + k) * P + b];
-        tot[b] = sum;
+    const i64 inf = inf_bits(kind);
+    for (int b = tid; b < P; b += nt) tot[b] = 0ull;
+    __syncthreads();
+    // every (chunk, bin) counter once, coalesced; consecutive threads add to different bins
+    const i64 cells = nch * P;
+    const u32* hp = hist + c0 * P;
+    for (i64 j = tid; j < cells; j += nt) atomicAdd(tot + (j % P), (unsigned long long)hp[j]);
+    i64 k0 = inf, k1 = -inf, k2 = 0, k3 = inf;
+    for (i64 k = tid; k < nch; k += nt) {
+        const i64* kp = keys + (c0 + k) * 4;
+        k0 = min(k0, kp[0]); k1 = max(k1, kp[1]); k2 = max(k2, kp[2]); k3 = min(k3, kp[3]);
     }
-    for (int q = tid; q < 4; q += nt) {
-        i64 inf = inf_bits(kind);
-        i64 acc = q == 0 ? inf : (q == 1 ? -inf : (q == 2 ? 0 : inf));
-        for (i64 k = 0; k < nch; ++k) {
-            i64 v = keys[(c0 + k) * 4 + q];
-            acc = (q == 0 || q == 3) ? min(acc, v) : max(acc, v);
-        }
-        kk[q] = acc;
+    for (int o = 16; o > 0; o >>= 1) {
+        k0 = min(k0, __shfl_xor_sync(0xFFFFFFFFu, k0, o));
+        k1 = max(k1, __shfl_xor_sync(0xFFFFFFFFu, k1, o));
+        k2 = max(k2, __shfl_xor_sync(0xFFFFFFFFu, k2, o));
+        k3 = min(k3, __shfl_xor_sync(0xFFFFFFFFu, k3, o));
+    }
+    if (lane == 0) {
+        kred[0][warp] = k0; kred[1][warp] = k1; kred[2][warp] = k2; kred[3][warp] = k3;
     }
     __syncthreads();
     double* o = out + row * width;
-    const i64 over_top = tot[NB + 4];
+    const i64 over_top = (i64)tot[NB + 4];
     if (tid == 0) {
+        for (int w = 1; w < (nt + 31) / 32; ++w) {
+            k0 = min(k0, kred[0][w]); k1 = max(k1, kred[1][w]); k2 = max(k2, kred[2][w]); k3 = min(k3, kred[3][w]);
+        }
+        k0 = min(k0, kred[0][0]); k1 = max(k1, kred[1][0]); k2 = max(k2, kred[2][0]); k3 = min(k3, kred[3][0]);
         o[0] = (double)numel;
         o[1] = (double)tot[NB + 1];
         o[2] = (double)tot[NB + 2];
         o[3] = (double)tot[NB + 3];
         o[4] = (double)tot[NB];
-        for (int k = 0; k < 4; ++k) o[5 + k] = decode(kk[k], kind);
-        o[9] = (double)(tot[NB - 1] + over_top);
+        o[5] = decode(k0, kind);
+        o[6] = decode(k1, kind);
+        o[7] = decode(k2, kind);
+        o[8] = decode(k3, kind);
+        o[9] = (double)((i64)tot[NB - 1] + over_top);
         i64 sub = 0;
-        for (int b = 1; b <= NORMAL_EXP - MIN_EXP; ++b) sub += tot[b];
+        for (int b = 1; b <= NORMAL_EXP - MIN_EXP; ++b) sub += (i64)tot[b];
         o[10] = (double)sub;
         o[11] = (double)tot[0];
     }
-    for (int b = tid; b < NB; b += nt) o[12 + b] = (double)(tot[b] + (b == NB - 2 ? over_top : 0));
+    for (int b = tid; b < NB; b += nt) o[12 + b] = (double)((i64)tot[b] + (b == NB - 2 ? over_top : 0));
 }

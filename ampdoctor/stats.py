@@ -45,11 +45,12 @@ def tensor_stats(t: torch.Tensor, fmt: Format) -> torch.Tensor:
     dev = x.device
     width = row_width(fmt)
     if x.numel() == 0:
-        row = torch.zeros(width, dtype=torch.float64, device=dev)
-        row[_IDX["min"]] = float("inf")
-        row[_IDX["max"]] = float("-inf")
-        row[_IDX["nzmin"]] = float("inf")
-        return row
+        # fills on the device (an element assignment from a Python float would copy and sync)
+        z = torch.zeros(width, dtype=torch.float64, device=dev)
+        inf = torch.full_like(z, float("inf"))
+        pos = torch.arange(width, device=dev)
+        row = torch.where((pos == _IDX["min"]) | (pos == _IDX["nzmin"]), inf, z)
+        return torch.where(pos == _IDX["max"], -inf, row)
     x = x.reshape(-1).to(_compute_dtype(x))
     a = x.abs()
     finite = torch.isfinite(x)
