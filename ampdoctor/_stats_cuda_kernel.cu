@@ -163,8 +163,12 @@ DEV void slow_el(u32 bits, int& kmin, int& kmax, int& kabs, int& knz, u32* hw) {
 #define HIST_WORDS (NW * P)
 #endif
 
+// acc: per tensor, P counters then the four keys, all folded with 64-bit atomics from zero:
+// bins add; keys are stored so that a max folds them: INF - min, max + INF, absmax, INF - nzmin
+#define ACC (P + 4)
+
 extern "C" __global__ void stage1(const i64* __restrict__ meta, int m, int g0, int g1, int c0,
-                                  u32* __restrict__ hist_out, i64* __restrict__ keys_out) {
+                                  unsigned long long* __restrict__ acc) {
     // meta: addr[m] numel[m] first[m+1] clen[m] row[m] kind[m] (int64 each)
     __shared__ u32 hs[HIST_WORDS];
     __shared__ u32 tot[P];
@@ -271,23 +275,24 @@ extern "C" __global__ void stage1(const i64* __restrict__ meta, int m, int g0, i
         tot[b] = sum;
     }
     __syncthreads();
+    unsigned long long* a = acc + (i64)ti * ACC;
     for (int b = tid; b < P; b += nt) {
         u32 val = tot[b];
 #if ZERO_IN_BIN0
         if (b == 0) val = 0u;          // zeros landed in bin 0 (nothing else can)
         if (b == NB) val += tot[0];
 #endif
-        hist_out[c * P + b] = val;
+        if (val) atomicAdd(a + b, (unsigned long long)val);
     }
     if (tid == 0) {
         int a0 = kred[0][0], a1 = kred[1][0], a2 = kred[2][0], a3 = kred[3][0];
         for (int w = 1; w < nt / 32; ++w) {
             a0 = min(a0, kred[0][w]); a1 = max(a1, kred[1][w]); a2 = max(a2, kred[2][w]); a3 = min(a3, kred[3][w]);
         }
-        keys_out[c * 4 + 0] = a0;
-        keys_out[c * 4 + 1] = a1;
-        keys_out[c * 4 + 2] = a2;
-        keys_out[c * 4 + 3] = a3;
+        atomicMax(a + P + 0, (unsigned long long)((i64)INFB - a0));
+        atomicMax(a + P + 1, (unsigned long long)((i64)a1 + INFB));
+        atomicMax(a + P + 2, (unsigned long long)(i64)a2);
+        atomicMax(a + P + 3, (unsigned long long)((i64)INFB - a3));
     }
 }
 
@@ -304,62 +309,32 @@ DEV double decode(i64 key, i64 kind) {
 
 DEV i64 inf_bits(i64 kind) { return kind == 0 ? 0x7C00 : (kind == 1 ? 0x7F80 : 0x7F800000); }
 
-#define NT2 256  // stage-2 threads per block
-
-extern "C" __global__ void stage2(const i64* __restrict__ meta, int m, const u32* __restrict__ hist,
-                                  const i64* __restrict__ keys, double* __restrict__ out, int width) {
-    __shared__ unsigned long long tot[P];
-    __shared__ i64 kred[4][NT2 / 32];
-    const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5;
+extern "C" __global__ void stage2(const i64* __restrict__ meta, int m, const unsigned long long* __restrict__ acc,
+                                  double* __restrict__ out, int width) {
+    const int tid = threadIdx.x, nt = blockDim.x;
     const int t = blockIdx.x;
     const i64 numel = meta[m + t];
-    const i64 c0 = meta[2 * m + t];
-    const i64 nch = meta[2 * m + t + 1] - c0;
     const i64 row = meta[4 * m + 1 + t];
     const i64 kind = meta[5 * m + 1 + t];
     const i64 inf = inf_bits(kind);
-    for (int b = tid; b < P; b += nt) tot[b] = 0ull;
-    __syncthreads();
-    // every (chunk, bin) counter once, coalesced; consecutive threads add to different bins
-    const i64 cells = nch * P;
-    const u32* hp = hist + c0 * P;
-    for (i64 j = tid; j < cells; j += nt) atomicAdd(tot + (j % P), (unsigned long long)hp[j]);
-    i64 k0 = inf, k1 = -inf, k2 = 0, k3 = inf;
-    for (i64 k = tid; k < nch; k += nt) {
-        const i64* kp = keys + (c0 + k) * 4;
-        k0 = min(k0, kp[0]); k1 = max(k1, kp[1]); k2 = max(k2, kp[2]); k3 = min(k3, kp[3]);
-    }
-    for (int o = 16; o > 0; o >>= 1) {
-        k0 = min(k0, __shfl_xor_sync(0xFFFFFFFFu, k0, o));
-        k1 = max(k1, __shfl_xor_sync(0xFFFFFFFFu, k1, o));
-        k2 = max(k2, __shfl_xor_sync(0xFFFFFFFFu, k2, o));
-        k3 = min(k3, __shfl_xor_sync(0xFFFFFFFFu, k3, o));
-    }
-    if (lane == 0) {
-        kred[0][warp] = k0; kred[1][warp] = k1; kred[2][warp] = k2; kred[3][warp] = k3;
-    }
-    __syncthreads();
+    const unsigned long long* a = acc + (i64)t * ACC;
     double* o = out + row * width;
-    const i64 over_top = (i64)tot[NB + 4];
+    const i64 over_top = (i64)a[NB + 4];
     if (tid == 0) {
-        for (int w = 1; w < (nt + 31) / 32; ++w) {
-            k0 = min(k0, kred[0][w]); k1 = max(k1, kred[1][w]); k2 = max(k2, kred[2][w]); k3 = min(k3, kred[3][w]);
-        }
-        k0 = min(k0, kred[0][0]); k1 = max(k1, kred[1][0]); k2 = max(k2, kred[2][0]); k3 = min(k3, kred[3][0]);
         o[0] = (double)numel;
-        o[1] = (double)tot[NB + 1];
-        o[2] = (double)tot[NB + 2];
-        o[3] = (double)tot[NB + 3];
-        o[4] = (double)tot[NB];
-        o[5] = decode(k0, kind);
-        o[6] = decode(k1, kind);
-        o[7] = decode(k2, kind);
-        o[8] = decode(k3, kind);
-        o[9] = (double)((i64)tot[NB - 1] + over_top);
+        o[1] = (double)a[NB + 1];
+        o[2] = (double)a[NB + 2];
+        o[3] = (double)a[NB + 3];
+        o[4] = (double)a[NB];
+        o[5] = decode(inf - (i64)a[P + 0], kind);
+        o[6] = decode((i64)a[P + 1] - inf, kind);
+        o[7] = decode((i64)a[P + 2], kind);
+        o[8] = decode(inf - (i64)a[P + 3], kind);
+        o[9] = (double)((i64)a[NB - 1] + over_top);
         i64 sub = 0;
-        for (int b = 1; b <= NORMAL_EXP - MIN_EXP; ++b) sub += (i64)tot[b];
+        for (int b = 1; b <= NORMAL_EXP - MIN_EXP; ++b) sub += (i64)a[b];
         o[10] = (double)sub;
-        o[11] = (double)tot[0];
+        o[11] = (double)a[0];
     }
-    for (int b = tid; b < NB; b += nt) o[12 + b] = (double)((i64)tot[b] + (b == NB - 2 ? over_top : 0));
+    for (int b = tid; b < NB; b += nt) o[12 + b] = (double)((i64)a[b] + (b == NB - 2 ? over_top : 0));
 }

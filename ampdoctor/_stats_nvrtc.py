@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("_stats_cuda_kernel.cu")
 NT = 128              # stage-1 threads per block
-NT2 = 256             # stage-2 threads per block (as in the source)
+NT2 = 64              # stage-2 threads per block
 MIN_CHUNK = 1 << 16   # elements per stage-1 block, at least (the histogram fold costs ~P loads a thread)
 MAX_CHUNKS = 8192     # per tensor: huge tensors get longer chunks, not more
 ALIGN = 1024          # chunk starts are multiples of this many elements (16-byte vector loads)
@@ -179,10 +179,8 @@ def run(views: Sequence[torch.Tensor], rows: Sequence[int], fmt: Format, out: to
         np.fromiter((v.data_ptr() for v in views), dtype=np.int64, count=m), numel, first, clen,
         np.asarray(rows, dtype=np.int64), np.asarray(kinds, dtype=np.int64)])
     d_meta = to_device(meta, dev)
-    total = int(first[-1])
-    p = hist_width(fmt)
-    hist = torch.empty((max(total, 1), p), dtype=torch.int32, device=dev)
-    keys = torch.empty((max(total, 1), 4), dtype=torch.int64, device=dev)
+    # per tensor: P bin counters and four keys, folded by the stage-1 blocks with atomics (see the source)
+    acc = torch.zeros((m, hist_width(fmt) + 4), dtype=torch.int64, device=dev)
     stream = torch.cuda.current_stream(dev)
     g0 = 0
     while g0 < m:
@@ -192,7 +190,7 @@ def run(views: Sequence[torch.Tensor], rows: Sequence[int], fmt: Format, out: to
         n = int(first[g1] - first[g0])
         if n:
             k = _kernel("stage1", views[g0].dtype, fmt, dev)
-            k(n, NT, (d_meta, m, g0, g1, int(first[g0]), hist, keys), stream)
+            k(n, NT, (d_meta, m, g0, g1, int(first[g0]), acc), stream)
         g0 = g1
     k2 = _kernel("stage2", torch.float16, fmt, dev)
-    k2(m, NT2, (d_meta, m, hist, keys, out, out.shape[1]), stream)
+    k2(m, NT2, (d_meta, m, acc, out, out.shape[1]), stream)

@@ -147,10 +147,10 @@ def count_syncs(step, config: Config, n: int) -> dict:
             "sync warnings/step": f"{warned / n:.1f}", "launches/step": f"{launches / n:.0f}"}
 
 
-def profile_every1(step, model, n: int, out_dir: str, tag: str) -> None:
-    """Where the every=1 time goes: kernel and CPU-op tables, and the Python profile."""
+def profile_every(step, model, n: int, out_dir: str, tag: str, every: int = 1) -> None:
+    """Where the time of a watch goes: kernel and CPU-op tables, and the Python profile."""
     os.makedirs(out_dir, exist_ok=True)
-    cfg = watch_config("every=1", model, 1)
+    cfg = watch_config(f"every={every}", model, every)
     td = cfg.setup()
     try:
         step()
@@ -173,7 +173,7 @@ def profile_every1(step, model, n: int, out_dir: str, tag: str) -> None:
     ps.print_stats(30)
     ps.print_callers("item|pin_memory")
     with open(os.path.join(out_dir, f"profile_{tag}.txt"), "w") as f:
-        f.write(f"# {n} steps, every=1\n")
+        f.write(f"# {n} steps, every={every}\n")
         f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25))
         f.write("\n\n")
         f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
@@ -289,7 +289,8 @@ def main() -> None:
                 res[c.name].extra.update(count_syncs(step, c, args.sync_steps))
         print(table(res, extra_cols=("syncs/step", "DtoH/step", "sync warnings/step", "launches/step")), flush=True)
         if args.profile:
-            profile_every1(step, model, 5, args.profile, f"{batch}x{seq}")
+            profile_every(step, model, 5, args.profile, f"{batch}x{seq}")
+            profile_every(step, model, 20, args.profile, f"{batch}x{seq}_every10", every=10)
         del model, step
         torch.cuda.empty_cache()
 

@@ -22,6 +22,7 @@ static inline void __syncthreads() {}
 static inline int __syncthreads_or(int p) { return p; }
 template <class T> static inline T __shfl_xor_sync(unsigned, T v, int) { return v; }
 template <class T> static inline T atomicAdd(T* p, T v) { T o = *p; *p += v; return o; }
+template <class T> static inline T atomicMax(T* p, T v) { T o = *p; *p = std::max(o, v); return o; }
 static inline u32 __float_as_uint(float f) { u32 u; std::memcpy(&u, &f, 4); return u; }
 static inline float __uint_as_float(u32 u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline int __clz(int x) { return x ? __builtin_clz((unsigned)x) : 32; }

@@ -19,15 +19,14 @@ int main(int argc, char** argv) {
     i64 nch = (n + clen - 1) / clen;
     // meta: addr numel first[2] clen row kind (m = 1)
     i64 meta[7] = {(i64)(intptr_t)data, n, 0, nch, clen, 0, DT};
-    std::vector<u32> hist((size_t)std::max<i64>(nch, 1) * P);
-    std::vector<i64> keys((size_t)std::max<i64>(nch, 1) * 4);
+    std::vector<unsigned long long> acc((size_t)(P + 4), 0ull);
     for (i64 c = 0; c < nch; ++c) {
         blockIdx.x = (unsigned)c;
-        stage1(meta, 1, 0, 1, 0, hist.data(), keys.data());
+        stage1(meta, 1, 0, 1, 0, acc.data());
     }
     std::vector<double> out((size_t)width);
     blockIdx.x = 0;
-    stage2(meta, 1, hist.data(), keys.data(), out.data(), width);
+    stage2(meta, 1, acc.data(), out.data(), width);
     f = fopen(argv[2], "wb");
     fwrite(out.data(), sizeof(double), (size_t)width, f);
     fclose(f);
