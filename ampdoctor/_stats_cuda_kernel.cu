@@ -167,9 +167,15 @@ DEV void slow_el(u32 bits, int& kmin, int& kmax, int& kabs, int& knz, u32* hw) {
 // bins add; keys are stored so that a max folds them: INF - min, max + INF, absmax, INF - nzmin
 #define ACC (P + 4)
 
-extern "C" __global__ void stage1(const i64* __restrict__ meta, int m, int g0, int g1, int c0,
+// The tensor table, passed by value (kernel parameter space: no host-to-device copy of its own):
+// addr[MAXT] numel[MAXT] first[MAXT+1] (first chunk of each tensor, then the total) clen[MAXT]
+// row[MAXT] kind[MAXT]
+#define MAXT 64
+struct Table { i64 v[6 * MAXT + 1]; };
+
+extern "C" __global__ void stage1(const Table table, int m, int g0, int g1, int c0,
                                   unsigned long long* __restrict__ acc) {
-    // meta: addr[m] numel[m] first[m+1] clen[m] row[m] kind[m] (int64 each)
+    const i64* meta = table.v;
     __shared__ u32 hs[HIST_WORDS];
     __shared__ u32 tot[P];
     __shared__ int kred[4][NW > 0 ? NW : 1];
@@ -177,9 +183,9 @@ extern "C" __global__ void stage1(const i64* __restrict__ meta, int m, int g0, i
     const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5;
     const i64 c = (i64)c0 + blockIdx.x;
     const i64* addr = meta;
-    const i64* numel = meta + m;
-    const i64* first = meta + 2 * m;
-    const i64* clen = meta + 3 * m + 1;
+    const i64* numel = meta + MAXT;
+    const i64* first = meta + 2 * MAXT;
+    const i64* clen = meta + 3 * MAXT + 1;
     if (tid == 0) {  // the tensor of this chunk: the last one of the group starting at or before it
         int lo = g0, hi = g1 - 1;
         while (lo < hi) {
@@ -309,15 +315,21 @@ DEV double decode(i64 key, i64 kind) {
 
 DEV i64 inf_bits(i64 kind) { return kind == 0 ? 0x7C00 : (kind == 1 ? 0x7F80 : 0x7F800000); }
 
-extern "C" __global__ void stage2(const i64* __restrict__ meta, int m, const unsigned long long* __restrict__ acc,
+extern "C" __global__ void stage2(const Table table, int m, unsigned long long* __restrict__ acc,
                                   double* __restrict__ out, int width) {
+    // reads its tensor's accumulators and zeroes them for the next flush (same stream: ordered)
+    __shared__ unsigned long long a[ACC];
+    const i64* meta = table.v;
     const int tid = threadIdx.x, nt = blockDim.x;
     const int t = blockIdx.x;
-    const i64 numel = meta[m + t];
-    const i64 row = meta[4 * m + 1 + t];
-    const i64 kind = meta[5 * m + 1 + t];
+    const i64 numel = meta[MAXT + t];
+    const i64 row = meta[4 * MAXT + 1 + t];
+    const i64 kind = meta[5 * MAXT + 1 + t];
     const i64 inf = inf_bits(kind);
-    const unsigned long long* a = acc + (i64)t * ACC;
+    unsigned long long* g = acc + (i64)t * ACC;
+    for (int b = tid; b < ACC; b += nt) a[b] = g[b];
+    __syncthreads();
+    for (int b = tid; b < ACC; b += nt) g[b] = 0ull;
     double* o = out + row * width;
     const i64 over_top = (i64)a[NB + 4];
     if (tid == 0) {

@@ -20,7 +20,6 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from .formats import Format
@@ -109,6 +108,7 @@ class _Kernel:
         self._keep = compiled  # owns the module
         self.func = compiled.func
         self.lib = _get_gpu_runtime_library()
+        self.launch = self.lib.cuLaunchKernel
         # as much shared memory as the SM has: more resident blocks of this histogram-heavy kernel
         self.lib.cuFuncSetAttribute(self.func, self.CARVEOUT, 100)
         regs = ctypes.c_int(0)
@@ -117,12 +117,13 @@ class _Kernel:
         self._arr: dict[int, Any] = {}
 
     def __call__(self, grid: int, block: int, args: Sequence[Any], stream: torch.cuda.Stream) -> None:
-        vals = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a) for a in args]
+        vals = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else
+                (a if isinstance(a, ctypes.Array) else ctypes.c_int(a)) for a in args]
         arr_t = self._arr.get(len(vals))
         if arr_t is None:
             arr_t = self._arr[len(vals)] = ctypes.c_void_p * len(vals)
         arr = arr_t(*[ctypes.addressof(v) for v in vals])
-        err = self.lib.cuLaunchKernel(self.func, grid, 1, 1, block, 1, 1, 0, ctypes.c_void_p(stream.cuda_stream),
+        err = self.launch(self.func, grid, 1, 1, block, 1, 1, 0, ctypes.c_void_p(stream.cuda_stream),
                                       arr, None)
         if err:
             raise RuntimeError(f"cuLaunchKernel failed with CUDA error {err}")
@@ -155,42 +156,59 @@ def available(dev: torch.device | None = None) -> bool:
         return False
 
 
-def chunking(numel: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(chunk length, number of chunks) per tensor; chunk lengths are multiples of ALIGN."""
-    nchunk = np.clip((numel + MIN_CHUNK - 1) // MIN_CHUNK, 1, MAX_CHUNKS)
-    clen = np.maximum((numel + nchunk * ALIGN - 1) // (nchunk * ALIGN) * ALIGN, ALIGN)
-    nchunk = (numel + clen - 1) // clen  # 0 for an empty tensor
-    return clen, nchunk
+def chunking(n: int) -> tuple[int, int]:
+    """(chunk length, number of chunks) of a tensor of ``n`` elements; chunk lengths are
+    multiples of ALIGN (0 chunks for an empty tensor)."""
+    nchunk = min(max(-(-n // MIN_CHUNK), 1), MAX_CHUNKS)
+    clen = max(-(-n // (nchunk * ALIGN)) * ALIGN, ALIGN)
+    return clen, -(-n // clen)
 
 
-def run(views: Sequence[torch.Tensor], rows: Sequence[int], fmt: Format, out: torch.Tensor,
-        to_device) -> None:
+MAXT = 64                        # tensors a launch takes (the table is a kernel parameter)
+_Table = ctypes.c_int64 * (6 * MAXT + 1)
+_acc: dict[tuple, torch.Tensor] = {}  # (device, stream, width) -> zeroed accumulators (stage 2 re-zeroes)
+
+
+def _accumulators(dev: torch.device, stream: torch.cuda.Stream, width: int) -> torch.Tensor:
+    key = (dev.index, stream.cuda_stream, width)
+    acc = _acc.get(key)
+    if acc is None:
+        acc = _acc[key] = torch.zeros((MAXT, width), dtype=torch.int64, device=dev)
+    return acc
+
+
+def run(views: Sequence[torch.Tensor], rows: Sequence[int], fmt: Format, out: torch.Tensor) -> None:
     """Write the rows of ``views`` (contiguous, 16-byte aligned fp16/bf16/fp32 tensors on
-    ``out``'s device, grouped by dtype) into ``out[rows]``: a stage-1 launch per dtype and one
-    stage-2 launch; one host-to-device copy of the tensor table. No host sync."""
+    ``out``'s device, grouped by dtype) into ``out[rows]``. Per MAXT tensors: a stage-1 launch per
+    dtype and one stage-2 launch, the tensor table passed by value. No host sync, no copy."""
     dev = out.device
-    m = len(views)
-    numel = np.fromiter((v.numel() for v in views), dtype=np.int64, count=m)
-    clen, nchunk = chunking(numel)
-    first = np.zeros(m + 1, dtype=np.int64)
-    np.cumsum(nchunk, out=first[1:])
-    kinds = [KINDS[v.dtype][0] for v in views]
-    meta = np.concatenate([
-        np.fromiter((v.data_ptr() for v in views), dtype=np.int64, count=m), numel, first, clen,
-        np.asarray(rows, dtype=np.int64), np.asarray(kinds, dtype=np.int64)])
-    d_meta = to_device(meta, dev)
-    # per tensor: P bin counters and four keys, folded by the stage-1 blocks with atomics (see the source)
-    acc = torch.zeros((m, hist_width(fmt) + 4), dtype=torch.int64, device=dev)
     stream = torch.cuda.current_stream(dev)
-    g0 = 0
-    while g0 < m:
-        g1 = g0 + 1
-        while g1 < m and views[g1].dtype == views[g0].dtype:
-            g1 += 1
-        n = int(first[g1] - first[g0])
-        if n:
-            k = _kernel("stage1", views[g0].dtype, fmt, dev)
-            k(n, NT, (d_meta, m, g0, g1, int(first[g0]), acc), stream)
-        g0 = g1
+    acc = _accumulators(dev, stream, hist_width(fmt) + 4)
     k2 = _kernel("stage2", torch.float16, fmt, dev)
-    k2(m, NT2, (d_meta, m, acc, out, out.shape[1]), stream)
+    width = out.shape[1]
+    for lo in range(0, len(views), MAXT):
+        part = views[lo:lo + MAXT]
+        m = len(part)
+        table = _Table()
+        c = 0
+        for i, (v, r) in enumerate(zip(part, rows[lo:lo + MAXT])):
+            n = v.numel()
+            clen, nch = chunking(n)
+            table[i] = v.data_ptr()
+            table[MAXT + i] = n
+            table[2 * MAXT + i] = c
+            table[3 * MAXT + 1 + i] = clen
+            table[4 * MAXT + 1 + i] = r
+            table[5 * MAXT + 1 + i] = KINDS[v.dtype][0]
+            c += nch
+        table[2 * MAXT + m] = c
+        g0 = 0
+        while g0 < m:
+            g1 = g0 + 1
+            while g1 < m and part[g1].dtype == part[g0].dtype:
+                g1 += 1
+            c0, c1 = table[2 * MAXT + g0], table[2 * MAXT + g1]
+            if c1 > c0:
+                _kernel("stage1", part[g0].dtype, fmt, dev)(c1 - c0, NT, (table, m, g0, g1, c0, acc), stream)
+            g0 = g1
+        k2(m, NT2, (table, m, acc, out, width), stream)

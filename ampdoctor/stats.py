@@ -59,7 +59,7 @@ def tensor_stats(t: torch.Tensor, fmt: Format) -> torch.Tensor:
     posinf = (inf & (x > 0)).sum()
     neginf = (inf & (x < 0)).sum()
     zero = (x == 0).sum()
-    inf_t = torch.tensor(float("inf"), dtype=x.dtype, device=dev)
+    inf_t = torch.full((), float("inf"), dtype=x.dtype, device=dev)  # a fill: no copy, no sync
     xmin = torch.where(finite, x, inf_t).amin()
     xmax = torch.where(finite, x, -inf_t).amax()
     afin = torch.where(finite, a, torch.zeros((), dtype=x.dtype, device=dev))
@@ -77,7 +77,7 @@ def tensor_stats(t: torch.Tensor, fmt: Format) -> torch.Tensor:
     hist = torch.zeros(nb + 1, dtype=torch.float64, device=dev)
     hist.scatter_add_(0, idx, torch.ones(idx.shape, dtype=torch.float64, device=dev))
     head = torch.stack([
-        torch.tensor(float(x.numel()), dtype=torch.float64, device=dev),
+        torch.full((), float(x.numel()), dtype=torch.float64, device=dev),
         nan.sum().to(torch.float64), posinf.to(torch.float64), neginf.to(torch.float64),
         zero.to(torch.float64), xmin.to(torch.float64), xmax.to(torch.float64),
         absmax.to(torch.float64), nzmin.to(torch.float64), overflow.to(torch.float64),
@@ -119,7 +119,7 @@ def _torch_batch(tensors: Sequence[torch.Tensor], fmt: Format) -> torch.Tensor:
         lengths = torch.tensor(sizes, dtype=torch.int64).to(dev, non_blocking=True)
         x = torch.cat(ts).to(_compute_dtype(ts[0]))
         a = x.abs()
-        inf = torch.tensor(float("inf"), dtype=x.dtype, device=dev)
+        inf = torch.full((), float("inf"), dtype=x.dtype, device=dev)
         finite = a < inf  # as isfinite (NaN compares false), in one op
         nonzero = finite & (a > 0)
         # floor(log2|x|) - min_exp + 1, clamped to the under/over bins (frexp's exponent of 0/Inf/NaN is unused)

@@ -227,7 +227,7 @@ def fused_batch_stats(tensors: Sequence[torch.Tensor], fmt: Format, *, _allow_cp
         groups.setdefault(x.dtype, []).append(i)
     if groups and which == "nvrtc":
         order = [i for g in groups.values() for i in g]
-        _stats_nvrtc.run([views[i] for i in order], order, fmt, out, _to_device)
+        _stats_nvrtc.run([views[i] for i in order], order, fmt, out)
         groups = {}
     kern = _kernels() if groups else None
     if groups:

@@ -17,8 +17,14 @@ int main(int argc, char** argv) {
     if (!f || fread(data, esize, (size_t)n, f) != (size_t)n) return 3;
     fclose(f);
     i64 nch = (n + clen - 1) / clen;
-    // meta: addr numel first[2] clen row kind (m = 1)
-    i64 meta[7] = {(i64)(intptr_t)data, n, 0, nch, clen, 0, DT};
+    Table meta = {};  // one tensor: addr numel first[0..1] clen row kind at their MAXT offsets
+    meta.v[0] = (i64)(intptr_t)data;
+    meta.v[MAXT] = n;
+    meta.v[2 * MAXT] = 0;
+    meta.v[2 * MAXT + 1] = nch;
+    meta.v[3 * MAXT + 1] = clen;
+    meta.v[4 * MAXT + 1] = 0;
+    meta.v[5 * MAXT + 1] = DT;
     std::vector<unsigned long long> acc((size_t)(P + 4), 0ull);
     for (i64 c = 0; c < nch; ++c) {
         blockIdx.x = (unsigned)c;
@@ -27,6 +33,8 @@ int main(int argc, char** argv) {
     std::vector<double> out((size_t)width);
     blockIdx.x = 0;
     stage2(meta, 1, acc.data(), out.data(), width);
+    for (unsigned long long v : acc)
+        if (v) return 4;  // stage 2 leaves the accumulators zeroed for the next flush
     f = fopen(argv[2], "wb");
     fwrite(out.data(), sizeof(double), (size_t)width, f);
     fclose(f);
