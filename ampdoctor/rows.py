@@ -5,7 +5,7 @@ batch and are measured together (:func:`ampdoctor.stats.batch_stats`: one fused 
 at *flush points*:
 
 * the batch's bytes exceed a budget (:data:`BUDGET_BYTES`; on CUDA 3% of the peak memory of the
-  first recorded step, within 16..256 MiB): the tensors it holds stay alive until then;
+  first recorded step, within 16 MiB..1 GiB): the tensors it holds stay alive until then;
 * a module with ``inplace=True`` (``nn.ReLU(inplace=True)``, dropout, ...) is about to run;
 * each backward pass ends (an autograd final callback): before ``GradScaler.unscale_``,
   gradient clipping or the next micro-batch change gradients in place;
@@ -60,13 +60,13 @@ class RowPolicy:
 
     def fit_budget(self, devices: set) -> None:
         """On CUDA, after the first recorded step: a budget of 3% of the peak memory so far
-        (within 16..256 MiB), so holding a batch stays a small fraction of what training holds
+        (within 16 MiB..1 GiB), so holding a batch stays a small fraction of what training holds
         anyway. Reads the allocator's counters only (no sync)."""
         if not self._fit:
             return
         peaks = [torch.cuda.max_memory_allocated(d) for d in devices if d.type == "cuda"]
         if peaks:
-            self.budget = int(min(256 << 20, max(16 << 20, 0.03 * max(peaks))))
+            self.budget = int(min(1 << 30, max(16 << 20, 0.03 * max(peaks))))
 
     def cuda_seen(self) -> None:
         if not self._cuda_tried:
@@ -95,28 +95,32 @@ class StepRows:
         return self.n_slots > 0
 
     # -- from the hooks ------------------------------------------------------------------
-    def slot_of(self, t: torch.Tensor, key: Hashable) -> int:
-        """The slot measuring ``t`` as it is now (no host sync)."""
-        x = t.detach()
-        ver = t._version
+    def slot_of(self, t: torch.Tensor, key: Hashable, nbytes: int | None = None) -> int:
+        """The slot measuring ``t`` as it is now (no host sync). ``nbytes``: ``t``'s size in bytes
+        when the caller knows it already."""
         hit = self._seen.get(id(t))
-        if hit is not None and hit[1] == ver and hit[0]() is t:
+        if hit is not None and hit[1] == t._version and hit[0]() is t:
             return hit[2]
+        return self._new_slot(t, key, nbytes)
+
+    def _new_slot(self, t: torch.Tensor, key: Hashable, nbytes: int | None = None) -> int:
+        ver = t._version
         slot = self.n_slots
         self.n_slots += 1
         try:
             self._seen[id(t)] = (weakref.ref(t), ver, slot)
         except TypeError:  # pragma: no cover - tensors take weak references
             pass
-        if x.device not in self._devices:
-            self._devices.add(x.device)
-            if x.device.type == "cuda":
+        dev = t.device
+        if dev not in self._devices:
+            self._devices.add(dev)
+            if dev.type == "cuda":
                 self.policy.cuda_seen()
         pol = self.policy
         measured = False
         if EAGER or not pol.calibrated or key in pol.volatile:
             try:
-                self.blocks.append((_stats.batch_stats([x], pol.fmt), [slot]))
+                self.blocks.append((_stats.batch_stats([t.detach()], pol.fmt), [slot]))
             except Exception:
                 self.dropped.add(slot)
                 raise
@@ -124,18 +128,31 @@ class StepRows:
                 return slot
             measured = True  # calibration: also wait in the batch, to learn whether it would go stale
         self._pending.append((slot, t, ver, key, measured))
-        self._pending_bytes += x.numel() * x.element_size()
+        self._pending_bytes += t.numel() * t.element_size() if nbytes is None else nbytes
         if self._pending_bytes > pol.budget:
             self.flush()
         return slot
 
     def add_row(self, meta: tuple, t: torch.Tensor, key: Hashable) -> None:
-        slot = self.slot_of(t, key)
+        """A statistics row ``meta`` (whose last field is ``t``'s size in bytes) measuring ``t``."""
+        hit = self._seen.get(id(t))
+        if hit is not None and hit[1] == t._version and hit[0]() is t:
+            slot = hit[2]
+        else:
+            slot = self._new_slot(t, key, meta[-1])
         self.meta.append(meta)
         self.slots.append(slot)
 
     def flag_slots(self, tensors: Sequence[torch.Tensor], key: Hashable) -> tuple[int, ...] | None:
         """Slots whose rows say whether ``tensors`` hold NaN/Inf (``None`` if all are empty)."""
+        if len(tensors) == 1:  # the common case, without a generator
+            t = tensors[0]
+            if not t.numel():
+                return None
+            hit = self._seen.get(id(t))
+            if hit is not None and hit[1] == t._version and hit[0]() is t:
+                return (hit[2],)
+            return (self._new_slot(t, (key, 0)),)
         out = tuple(self.slot_of(t, (key, i)) for i, t in enumerate(tensors) if t.numel())
         return out or None
 
@@ -157,9 +174,11 @@ class StepRows:
                 continue
             if measured:
                 continue
-            ts, ss = by_dev.setdefault(t.device, ([], []))
-            ts.append(t.detach())
-            ss.append(slot)
+            group = by_dev.get(t.device)
+            if group is None:
+                group = by_dev[t.device] = ([], [])
+            group[0].append(t.detach())
+            group[1].append(slot)
         for ts, ss in by_dev.values():
             try:
                 self.blocks.append((_stats.batch_stats(ts, pol.fmt), ss))

@@ -8,6 +8,7 @@ tensors here; :meth:`Session.end_step` reads them all with one host transfer.
 from __future__ import annotations
 
 import atexit
+import itertools
 import logging
 import math
 import os
@@ -25,7 +26,7 @@ from . import stats as _stats
 from .config import RunConfig
 from .formats import Format, get_format
 from .hostcopy import HostCopy as _HostCopy
-from .rows import RowPolicy, StepRows, nonfinite
+from .rows import RowPolicy, StepRows
 from .steps import StepTracker
 from .trace import TraceWriter, hist_blob
 
@@ -205,8 +206,9 @@ class Session:
         if kind in ("gradient", "weight_grad"):
             self._queue_backward_flush()
         try:
-            self._rows.add_row((lid, kind, slot, call, str(t.dtype).replace("torch.", ""), t.numel(),
-                                t.numel() * t.element_size()), t, (lid, kind, slot))
+            n = t.numel()
+            self._rows.add_row((lid, kind, slot, call, _dtype_name(t.dtype), n, n * t.element_size()), t,
+                               (lid, kind, slot))
         except Exception as e:  # never break the user's training because of a statistic
             self.note_layer(lid, f"could not record {kind} {slot}: {type(e).__name__}: {e}")
 
@@ -358,14 +360,7 @@ class Session:
         decision = None
         step = self._pending_scalars[-1][0]
         if recorded and row_meta:
-            n = _stats.N_FIELDS
-            # column-wise conversions (hundreds of rows a step): the same values as int()/_f()/hist_blob per row
-            ints = host_rows[:, [1, 2, 3, 4, 9, 10, 11]].astype(np.int64).tolist()
-            floats = host_rows[:, 5:9].tolist()
-            hists = np.ascontiguousarray(host_rows[:, n:]).astype("<i8")
-            out = [(step, *meta, i[0], i[1], i[2], i[3], _f(f[0]), _f(f[1]), _f(f[2]), _f(f[3]), i[4], i[5], i[6],
-                    hist_blob(h)) for meta, i, f, h in zip(row_meta, ints, floats, hists)]
-            self.writer.add_stats(out)
+            self.writer.add_stats(_trace_rows(step, row_meta, host_rows))
         if recorded:
             self._attribute(step, row_meta, host_rows, flag_meta, host_flags)
         for (s, sc), vals in zip(self._pending_scalars, host_scalars):
@@ -378,7 +373,7 @@ class Session:
             if self._oracle is not None and decision is None:
                 params_finite = None
                 if s == step and recorded:
-                    params_finite = not any(m[1] == "weight" and (r[1] or r[2] or r[3]) for m, r in zip(row_meta, host_rows))
+                    params_finite = not any(m[1] == "weight" and b for m, b in zip(row_meta, _bad_rows(host_rows)))
                 decision = self._oracle.observe(s, loss, scale, None if skipped is None else bool(skipped), params_finite)
                 if decision is None and self.config.pass_after is not None and s + 1 >= self.config.pass_after:
                     decision = self._oracle.finish()
@@ -447,8 +442,20 @@ class Session:
         take = copy.reader()
         table = rows.host_table([take("block") for _ in rows.blocks], width)
         host_rows = table[rows.slots] if rows.slots else np.zeros((0, width))
-        host_flags = np.array([float(nonfinite(table, f, rows.dropped)) if isinstance(f, tuple) else take("flag")[0]
-                               for f in flags]) if flags else np.zeros(0)
+        if flags:
+            bad = _bad_rows(table, rows.dropped)  # per slot, as rows.nonfinite
+            any_bad = any(bad)
+            vals = []
+            for f in flags:
+                if not isinstance(f, tuple):
+                    vals.append(take("flag")[0])
+                elif not any_bad:
+                    vals.append(0.0)
+                else:
+                    vals.append(float(any(bad[s] for s in f)))
+            host_flags = np.array(vals)
+        else:
+            host_flags = np.zeros(0)
         host_scalars = []
         for _, sc in self._pending_scalars:
             vals = []
@@ -462,17 +469,25 @@ class Session:
 
     # -- first non-finite attribution ------------------------------------------------------
     def _attribute(self, step: int, row_meta: list, host_rows: np.ndarray, flag_meta: list, host_flags: np.ndarray) -> None:
+        row_bad = _bad_rows(host_rows)
+        if not host_flags.any() and not any(row_bad):
+            return  # nothing non-finite this step: no event can come out of what follows
         by_call: dict[tuple[int, int], dict[str, bool]] = {}
         order: dict[str, list[tuple[int, int]]] = {"out": [], "gout": []}
-        for (lid, call, phase), v in zip(flag_meta, host_flags):
-            d = by_call.setdefault((lid, call), {})
+        in_order: dict[str, set] = {"out": set(), "gout": set()}
+        for (lid, call, phase), v in zip(flag_meta, host_flags.tolist()):
+            key = (lid, call)
+            d = by_call.get(key)
+            if d is None:
+                d = by_call[key] = {}
             d[phase] = d.get(phase, False) or bool(v)
-            if phase in order and (lid, call) not in order[phase]:
-                order[phase].append((lid, call))
+            seen = in_order.get(phase)
+            if seen is not None and key not in seen:
+                seen.add(key)
+                order[phase].append(key)
         wgrad_bad: dict[int, bool] = {}
         weight_bad: list[int] = []
-        for (lid, kind, *_), r in zip(row_meta, host_rows):
-            bad = bool(r[1] or r[2] or r[3])
+        for (lid, kind, *_), bad in zip(row_meta, row_bad):
             if kind == "weight_grad":
                 wgrad_bad[lid] = wgrad_bad.get(lid, False) or bad
             elif kind == "weight" and bad and lid not in weight_bad:
@@ -598,8 +613,44 @@ class Session:
             self.config.max_steps, self._oracle = saved
 
 
-def _f(v: float) -> float | None:
-    return float(v)
+_DTYPE_NAMES: dict = {}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    """``str(dtype)`` without ``torch.`` (cached: once per dtype, not per row)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name
+
+
+def _bad_rows(table: np.ndarray, dropped: set | None = None) -> list[bool]:
+    """Per row: whether it counts a NaN or an Inf (``r[1] or r[2] or r[3]``, so a NaN count counts
+    too); rows in ``dropped`` are not (as :func:`ampdoctor.rows.nonfinite`)."""
+    if not len(table):
+        return []
+    bad = (table[:, 1] != 0) | (table[:, 2] != 0) | (table[:, 3] != 0)
+    if dropped:
+        bad[list(dropped)] = False
+    return bad.tolist()
+
+
+def _trace_rows(step: int, row_meta: list, host_rows: np.ndarray) -> list[tuple]:
+    """The trace's stats rows, built column-wise (hundreds of rows a step): the same values as
+    ``int()``/``float()``/:func:`~ampdoctor.trace.hist_blob` per row."""
+    n = _stats.N_FIELDS
+    count = len(row_meta)
+    ints = host_rows[:, [1, 2, 3, 4, 9, 10, 11]].astype(np.int64).T.tolist()
+    floats = host_rows[:, 5:9].T.tolist()
+    hists = np.ascontiguousarray(host_rows[:, n:]).astype("<i8")
+    width = hists.shape[1] * 8
+    if width:
+        raw = hists.tobytes()
+        blobs = [raw[o:o + width] for o in range(0, count * width, width)]
+    else:  # pragma: no cover - every format has histogram bins
+        blobs = [hist_blob(h) for h in hists]
+    return list(zip(itertools.repeat(step, count), *zip(*row_meta), ints[0], ints[1], ints[2], ints[3],
+                    floats[0], floats[1], floats[2], floats[3], ints[4], ints[5], ints[6], blobs))
 
 
 _CURRENT: Session | None = None

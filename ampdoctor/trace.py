@@ -8,6 +8,7 @@ readable. Histograms are stored as little-endian int64 blobs.
 from __future__ import annotations
 
 import atexit
+import itertools
 import json
 import logging
 import os
@@ -48,6 +49,26 @@ CREATE TABLE IF NOT EXISTS events (
 """
 
 _STOP = object()
+_STATS_INSERT = "INSERT INTO stats VALUES"  # rows go in by many-row statements (see _insert_rows)
+_CHUNK_ROWS = 512
+
+
+def _insert_rows(con: sqlite3.Connection, table_sql: str, ncols: int, rows: list, cache: dict) -> None:
+    """Insert ``rows`` (in order) with one statement per chunk of rows rather than one per row:
+    the writer thread takes and releases the GIL once per chunk (``sqlite3`` releases it around
+    each statement), not once per row, so it interrupts the training thread far less often."""
+    try:
+        limit = con.getlimit(sqlite3.SQLITE_LIMIT_VARIABLE_NUMBER)
+    except AttributeError:  # pragma: no cover - Python < 3.11
+        limit = 999
+    per = max(1, min(_CHUNK_ROWS, limit // ncols))
+    row_marks = "(" + ", ".join("?" * ncols) + ")"
+    for i in range(0, len(rows), per):
+        chunk = rows[i:i + per]
+        sql = cache.get(len(chunk))
+        if sql is None:
+            sql = cache[len(chunk)] = f"{table_sql} " + ", ".join([row_marks] * len(chunk))
+        con.execute(sql, tuple(itertools.chain.from_iterable(chunk)))
 
 
 def _connect(path: str | os.PathLike) -> sqlite3.Connection:
@@ -71,6 +92,7 @@ class TraceWriter:
         con.close()
         self._q: queue.Queue = queue.Queue()
         self._closed = False
+        self._dirty = False  # rows queued since the last commit marker
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="ampdoctor-trace-writer", daemon=True)
         self._thread.start()
@@ -85,8 +107,7 @@ class TraceWriter:
         self._put("INSERT OR REPLACE INTO layers VALUES (?, ?, ?, ?, ?, ?)", list(rows))
 
     def add_stats(self, rows: Iterable[Sequence]) -> None:
-        marks = ", ".join("?" * len(STAT_COLUMNS))
-        self._put(f"INSERT INTO stats VALUES ({marks})", list(rows))
+        self._put(_STATS_INSERT, list(rows))
 
     def add_step(self, row: Sequence) -> None:
         row = list(row)
@@ -99,7 +120,8 @@ class TraceWriter:
                   [(step, event, layer, json.dumps(detail, default=str))])
 
     def commit(self) -> None:
-        if not self._closed:
+        if not self._closed and self._dirty:  # (nothing queued since the last commit: nothing to commit)
+            self._dirty = False
             self._q.put(None)
 
     def flush(self, timeout: float = 30.0) -> None:
@@ -130,6 +152,7 @@ class TraceWriter:
             return
         if rows:
             self._q.put((sql, rows))
+            self._dirty = True
 
     # -- consumer thread -------------------------------------------------------------------
     def _loop(self) -> None:
@@ -139,6 +162,7 @@ class TraceWriter:
             self._error = e
             return
         pending = 0
+        stats_sql: dict[int, str] = {}
         try:
             while True:
                 item = self._q.get()
@@ -156,7 +180,10 @@ class TraceWriter:
                     continue
                 sql, rows = item
                 try:
-                    con.executemany(sql, rows)
+                    if sql is _STATS_INSERT:
+                        _insert_rows(con, sql, len(STAT_COLUMNS), rows, stats_sql)
+                    else:
+                        con.executemany(sql, rows)
                     pending += len(rows)
                 except sqlite3.Error as e:
                     self._error = e

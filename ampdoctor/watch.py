@@ -46,8 +46,71 @@ def unwrap_model(model: nn.Module) -> tuple[nn.Module, list[str]]:
     return model, notes
 
 
+_graph_task_id = torch._C._current_graph_task_id
+_Tensor = torch.Tensor
+_strided = torch.strided
+
+
 def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
+    return _graph_task_id() != -1
+
+
+def _float_outputs(out: Any) -> list[tuple[str, torch.Tensor]]:
+    """``floating(iter_tensors(out))``, without the walk for the common plain-tensor output."""
+    if type(out) is _Tensor:
+        if out.dtype.is_floating_point and out.layout == _strided and not out.is_meta:
+            return [("out", out)]
+        return []
+    return floating(iter_tensors(out))
+
+
+def _float_inputs(args: Any) -> list[torch.Tensor]:
+    """``[t for _, t in floating(iter_tensors(args))]``, without the walk for one plain tensor."""
+    if type(args) is tuple and len(args) == 1 and type(args[0]) is _Tensor:
+        t = args[0]
+        if t.dtype.is_floating_point and t.layout == _strided and not t.is_meta:
+            return [t]
+        return []
+    return [t for _, t in floating(iter_tensors(args))]
+
+
+def _inplace(mod: nn.Module) -> bool:
+    """``getattr(mod, "inplace", False) is True``, without raising and catching an AttributeError
+    inside ``Module.__getattr__`` for the many modules that have no such attribute."""
+    if not hasattr(type(mod), "inplace"):
+        d = mod.__dict__
+        if "inplace" in d:
+            return d["inplace"] is True
+        if not any("inplace" in d.get(k, ()) for k in ("_parameters", "_buffers", "_modules")):
+            return False
+    return getattr(mod, "inplace", False) is True
+
+
+class _GradWork(list):
+    """What one watch does with the gradient of one tensor, in the order it was asked for, behind
+    a single ``register_hook``: entries ``(True, lid, phase, call)`` (a gin/gout non-finite flag) and
+    ``(False, lid, slot, call)`` (a gradient statistics row). Consecutive requests on a tensor share
+    its last hook; a hook registered by anyone else in between starts a new one, so the order of all
+    hooks on the tensor stays the order of registration."""
+
+    __slots__ = ("watch",)
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        w = self.watch
+        s = w.session
+        if w._removed or s.closed or grad is None:
+            return
+        numel = None
+        for is_flag, lid, name, call in self:
+            if is_flag:
+                if not s.attributing:
+                    continue
+                if numel is None:
+                    numel = grad.numel()
+                if numel:
+                    s.add_flag(lid, call, name, s.flag_slots(lid, name, [grad]))
+            else:
+                s.add_stats(lid, "gradient", name, call, grad)
 
 
 def _nonfinite_flag(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -109,22 +172,39 @@ class Watch:
                         self._param_hooks_were_none.append((p, getattr(p, "_post_accumulate_grad_hooks", None) is None))
                         self._handles.append(p.register_post_accumulate_grad_hook(self._make_wgrad(lid, pname)))
 
+    def _grad_work(self, t: torch.Tensor, entries: tuple) -> None:
+        """Have ``entries`` done, in order, with ``t``'s gradient (see :class:`_GradWork`)."""
+        hooks = t._backward_hooks
+        if hooks:
+            last = hooks[next(reversed(hooks))]
+            if last.__class__ is _GradWork and last.watch is self:
+                last.extend(entries)
+                return
+        work = _GradWork(entries)
+        work.watch = self
+        t.register_hook(work)
+
     def _make_pre(self, lid: int):
         s = self.session
-        stack = []
+        stack: list = []
+        layer = s.layers[lid]
+        grad_work = self._grad_work
 
         def pre(mod: nn.Module, args: Any) -> None:
-            if not s.recording or self._removed or _in_backward():
+            if not s.recording or self._removed or _graph_task_id() != -1:
                 return
-            if s.layers[lid].ord is None:
+            if layer.ord is None:
                 s.mark_order(lid)
             if s.attributing:
-                ins = [t for _, t in floating(iter_tensors(args))]
+                ins = _float_inputs(args)
                 stack.append(s.flag_slots(lid, "in", ins))
+                call = None
                 for t in ins:
                     if t.requires_grad:
-                        t.register_hook(self._make_flag_hook(lid, "gin", stack_call=lambda: s._calls.get(lid, 0)))
-            if getattr(mod, "inplace", False) is True:
+                        if call is None:
+                            call = s._calls.get(lid, 0)
+                        grad_work(t, ((True, lid, "gin", call),))
+            if _inplace(mod):
                 s.flush_rows()  # measure the waiting tensors before this module overwrites its input
 
         self._stack[lid] = stack  # type: ignore[attr-defined]
@@ -132,13 +212,35 @@ class Watch:
 
     def _make_post(self, lid: int, record_stats: bool):
         s = self.session
+        stack = self._stack[lid]
+        grad_work = self._grad_work
 
         def post(mod: nn.Module, args: Any, out: Any) -> None:
-            if self._removed or s.closed or not s.recording or _in_backward():
+            if self._removed or s.closed or not s.recording or _graph_task_id() != -1:
                 return  # (a forward inside backward is activation checkpointing recomputing it)
             call = s.next_call(lid)
-            outs = floating(iter_tensors(out))
-            stack = self._stack.get(lid)
+            if type(out) is _Tensor and out.dtype.is_floating_point and out.layout == _strided and not out.is_meta:
+                # the common case, one floating tensor: the same work as below, one hook request for both entries
+                needs_grad = out.requires_grad
+                gout = None
+                if s.attributing:
+                    in_flag = stack.pop() if stack else None
+                    if in_flag is not None:
+                        s.add_flag(lid, call, "in", in_flag)
+                    out_flag = s.flag_slots(lid, "out", [out])
+                    if out_flag is not None:
+                        s.add_flag(lid, call, "out", out_flag)
+                    if needs_grad:
+                        gout = (True, lid, "gout", call)
+                if record_stats:
+                    s.add_stats(lid, "activation", "out", call, out)
+                    if needs_grad:
+                        grad_work(out, ((False, lid, "out", call),) if gout is None else (gout, (False, lid, "out", call)))
+                        return
+                if gout is not None:
+                    grad_work(out, (gout,))
+                return
+            outs = _float_outputs(out)
             if s.attributing:
                 in_flag = stack.pop() if stack else None
                 if in_flag is not None:
@@ -148,7 +250,7 @@ class Watch:
                     s.add_flag(lid, call, "out", out_flag)
                 for _, t in outs:
                     if t.requires_grad:
-                        t.register_hook(self._make_flag_hook(lid, "gout", call=call))
+                        grad_work(t, ((True, lid, "gout", call),))
             if not record_stats:
                 return
             if not outs:
@@ -160,7 +262,7 @@ class Watch:
             for slot, t in outs:
                 s.add_stats(lid, "activation", slot, call, t)
                 if t.requires_grad:
-                    t.register_hook(self._make_grad_hook(lid, slot, call))
+                    grad_work(t, ((False, lid, slot, call),))
 
         return self._hook_fn(post)
 
@@ -184,33 +286,17 @@ class Watch:
             return torch.compiler.disable(fn)
         return fn
 
-    def _make_grad_hook(self, lid: int, slot: str, call: int):
-        s = self.session
-
-        def hook(grad: torch.Tensor) -> None:
-            if not self._removed and not s.closed and grad is not None:
-                s.add_stats(lid, "gradient", slot, call, grad)
-
-        return hook
-
-    def _make_flag_hook(self, lid: int, phase: str, call: int | None = None, stack_call=None):
-        s = self.session
-        c = call if call is not None else (stack_call() if stack_call else 0)
-
-        def hook(grad: torch.Tensor) -> None:
-            if not self._removed and not s.closed and s.attributing and grad is not None and grad.numel():
-                s.add_flag(lid, c, phase, s.flag_slots(lid, phase, [grad]))
-
-        return hook
-
     def _make_wgrad(self, lid: int, pname: str):
         s = self.session
 
         def hook(p: torch.Tensor) -> None:
-            if self._removed or s.closed or not s.recording or p.grad is None:
+            if self._removed or s.closed or not s.recording:
+                return
+            grad = p.grad
+            if grad is None:
                 return
             s._active = True
-            s.add_stats(lid, "weight_grad", pname, 0, p.grad)
+            s.add_stats(lid, "weight_grad", pname, 0, grad)
 
         return hook
 

@@ -1,0 +1,129 @@
+"""Host-side (Python) cost of ``ampdoctor.watch`` hooks per training step, CPU only.
+
+A 12-block BERT-like encoder (``_models.Encoder``: Linear/LayerNorm/GELU/Dropout modules) with tiny
+dims (d=32, B=2, T=8, fp32, AdamW), so the step is dominated by Python overhead, as a launch-bound GPU
+step is. A fake statistics backend is installed with ``ampdoctor.stats.set_backend``: it returns
+``torch.zeros((len(tensors), row_width(fmt)), dtype=torch.float64)`` without reading the tensors, so
+only ampdoctor's bookkeeping (hooks, slots, flags, flushes, trace rows, the writer thread) is
+measured, not the statistics kernels. Configurations run interleaved in one process (medians).
+``hooks-only`` is a reference floor, not ampdoctor: a no-op forward pre-hook and a forward hook on every
+module, the latter appending each output and registering a tensor hook that appends its gradient, plus
+a post-accumulate-grad hook on every parameter that appends.
+
+Run:  python benchmarks/host_overhead.py [--rounds 7] [--steps 20] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import platform
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import Config, run_interleaved, table, watch_config  # noqa: E402
+from _models import Encoder  # noqa: E402
+
+import ampdoctor  # noqa: E402
+from ampdoctor import stats as _stats  # noqa: E402
+
+
+def fake_backend(tensors, fmt):
+    """Rows of zeros: no tensor is read (bookkeeping only)."""
+    return torch.zeros((len(tensors), _stats.row_width(fmt)), dtype=torch.float64)
+
+
+def hooks_only(model: torch.nn.Module):
+    """The ``hooks-only`` reference: hooks that only append (see the module docstring)."""
+    def setup():
+        got: list = []
+        handles = []
+
+        def post(mod, args, out):
+            got.append(out)
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                out.register_hook(got.append)
+
+        for m in model.modules():
+            handles.append(m.register_forward_pre_hook(lambda mod, args: None))
+            handles.append(m.register_forward_hook(post))
+        for p in model.parameters():
+            handles.append(p.register_post_accumulate_grad_hook(got.append))
+
+        def teardown():
+            for h in handles:
+                h.remove()
+            got.clear()
+
+        return teardown
+
+    return Config("hooks-only", setup)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--steps", type=int, default=20, help="timed steps per round (a multiple of 10)")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=8)
+    p.add_argument("--d", type=int, default=32)
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--vocab", type=int, default=64)
+    p.add_argument("--profile", action="store_true", help="also a cProfile of --steps steps with every=1")
+    p.add_argument("--profile-top", type=int, default=30)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    _stats.set_backend(fake_backend)
+
+    torch.manual_seed(0)
+    model = Encoder(vocab=args.vocab, d=args.d, layers=args.layers, heads=2, ffn=2 * args.d, max_len=args.seq)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, args.vocab, (args.batch, args.seq))
+
+    def step() -> None:
+        logits = model(ids)
+        loss = F.cross_entropy(logits.view(-1, args.vocab), ids.view(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    configs = [Config("baseline"), hooks_only(model), watch_config("every=1", model, 1),
+               watch_config("every=10", model, 10)]
+    print(f"# ampdoctor host overhead (fake statistics backend)  {time.strftime('%Y-%m-%d')}  "
+          f"torch {torch.__version__}  Python {platform.python_version()}  "
+          f"{platform.processor() or platform.machine()}, 1 thread")
+    print(f"# model: encoder d={args.d} layers={args.layers} vocab={args.vocab}, B={args.batch} T={args.seq}, "
+          f"fp32 + AdamW; {args.rounds} rounds x {args.steps} steps")
+    for c in configs:  # warm-up, not timed
+        td = c.setup() if c.setup else None
+        for _ in range(3):
+            step()
+        if td:
+            td()
+    res = run_interleaved(step, configs, rounds=args.rounds, steps=args.steps)
+    print(table(res))
+    if args.profile:
+        d = tempfile.mkdtemp(prefix="ampdoctor-bench-")
+        w = ampdoctor.watch(model, every=1, trace=str(Path(d) / "t.sqlite"))
+        for _ in range(3):
+            step()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.steps):
+            step()
+        prof.disable()
+        w.remove()
+        print(f"\n# cProfile, every=1, {args.steps} steps (tottime)")
+        pstats.Stats(prof, stream=sys.stdout).sort_stats("tottime").print_stats(args.profile_top)
+
+
+if __name__ == "__main__":
+    main()
