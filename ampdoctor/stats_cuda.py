@@ -1,5 +1,11 @@
-"""Fused multi-tensor statistics for CUDA tensors (Triton): the rows of
+"""Fused multi-tensor statistics for CUDA tensors: the rows of
 :func:`ampdoctor.stats.tensor_stats`, bit for bit, for many tensors in two or three launches.
+
+Two implementations: the CUDA kernel of ``_stats_cuda_kernel.cu``, compiled at first use by NVRTC
+(:mod:`ampdoctor._stats_nvrtc`; the default wherever it compiles), and the Triton kernels of
+``_stats_triton.py`` (where NVRTC does not work). ``AMPDOCTOR_FUSED_BACKEND`` picks one
+(``auto``, ``nvrtc``, ``triton``); ``AMPDOCTOR_FUSED=0`` turns both off. What follows describes
+the Triton kernels; the CUDA kernel computes the same codes the same way (see its source).
 
 Why it is exact: nothing is computed in floating point. Each element is classified from its
 bit pattern (sign, exponent field, mantissa field), so no rounding, flush-to-zero or NaN
