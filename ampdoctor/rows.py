@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 BUDGET_BYTES = 64 << 20  # bytes of tensors held by a batch before it is measured (CUDA: see fit_budget)
 _DEFAULT_BUDGET = BUDGET_BYTES
+_weakref = weakref.ref
 EAGER = os.environ.get("AMPDOCTOR_EAGER", "0") == "1"  # measure every tensor in its hook (no batching)
 
 
@@ -108,7 +109,7 @@ class StepRows:
         slot = self.n_slots
         self.n_slots += 1
         try:
-            self._seen[id(t)] = (weakref.ref(t), ver, slot)
+            self._seen[id(t)] = (_weakref(t), ver, slot)
         except TypeError:  # pragma: no cover - tensors take weak references
             pass
         dev = t.device

@@ -233,6 +233,21 @@ class Session:
             self.note_layer(lid, f"could not check {phase} for NaN/Inf: {type(e).__name__}: {e}")
             return None
 
+    def grad_flag(self, lid: int, call: int, phase: str, grad: torch.Tensor) -> None:
+        """``add_flag(lid, call, phase, flag_slots(lid, phase, [grad]))`` for a non-empty gradient
+        (``phase`` "gin" or "gout") in one call: the backward pass asks for hundreds a step."""
+        if self.closed:
+            return
+        self._queue_backward_flush()
+        try:
+            flag = self._rows.flag_slots((grad,), (lid, "flag", phase))
+        except Exception as e:  # pragma: no cover - as flag_slots
+            self.note_layer(lid, f"could not check {phase} for NaN/Inf: {type(e).__name__}: {e}")
+            return
+        if flag is not None:
+            self._flags.append(flag)
+            self._flag_meta.append((lid, call, phase))
+
     def flush_rows(self) -> None:
         """A flush point: measure the tensors waiting in this step's batch now (launches only).
         Called before a module that works in place runs, and at the end of each backward pass."""

@@ -108,7 +108,7 @@ class _GradWork(list):
                 if numel is None:
                     numel = grad.numel()
                 if numel:
-                    s.add_flag(lid, call, name, s.flag_slots(lid, name, [grad]))
+                    s.grad_flag(lid, call, name, grad)
             else:
                 s.add_stats(lid, "gradient", name, call, grad)
 
@@ -216,7 +216,7 @@ class Watch:
         grad_work = self._grad_work
 
         def post(mod: nn.Module, args: Any, out: Any) -> None:
-            if self._removed or s.closed or not s.recording or _graph_task_id() != -1:
+            if not s.recording or self._removed or s.closed or _graph_task_id() != -1:
                 return  # (a forward inside backward is activation checkpointing recomputing it)
             call = s.next_call(lid)
             if type(out) is _Tensor and out.dtype.is_floating_point and out.layout == _strided and not out.is_meta:
