@@ -215,13 +215,3 @@ class StepRows:
             table[slots] = np.asarray(h).reshape(len(slots), width)
         return table
 
-
-def nonfinite(table: np.ndarray, slots: Sequence[int], dropped: set) -> bool:
-    """Whether any of ``slots``' rows counts a NaN or an Inf."""
-    for s in slots:
-        if s in dropped:
-            continue
-        r = table[s]
-        if r[1] or r[2] or r[3]:
-            return True
-    return False

@@ -641,7 +641,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _bad_rows(table: np.ndarray, dropped: set | None = None) -> list[bool]:
     """Per row: whether it counts a NaN or an Inf (``r[1] or r[2] or r[3]``, so a NaN count counts
-    too); rows in ``dropped`` are not (as :func:`ampdoctor.rows.nonfinite`)."""
+    too); rows in ``dropped`` (slots that could not be measured) are not."""
     if not len(table):
         return []
     bad = (table[:, 1] != 0) | (table[:, 2] != 0) | (table[:, 3] != 0)

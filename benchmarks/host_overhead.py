@@ -10,13 +10,18 @@ measured, not the statistics kernels. Configurations run interleaved in one proc
 module, the latter appending each output and registering a tensor hook that appends its gradient, plus
 a post-accumulate-grad hook on every parameter that appends.
 
-Run:  python benchmarks/host_overhead.py [--rounds 7] [--steps 20] [--profile]
+The harness runs ``gc.collect()`` between rounds, so rare full (generation 2) collections, which
+the recorder's allocations bring on, barely show in the table; ``--gc-steps N`` counts the garbage
+collections of N steps in a row with every=1 (and without a watch) and the time spent in them.
+
+Run:  python benchmarks/host_overhead.py [--rounds 7] [--steps 20] [--profile] [--gc-steps 600]
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import os
 import platform
 import pstats
@@ -68,6 +73,38 @@ def hooks_only(model: torch.nn.Module):
     return Config("hooks-only", setup)
 
 
+def gc_report(step, model: torch.nn.Module, steps: int, *, watched: bool) -> str:
+    """Collections per generation and time in the collector, per step, over ``steps`` steps."""
+    w = ampdoctor.watch(model, every=1, trace=str(Path(tempfile.mkdtemp(prefix="ampdoctor-bench-")) / "t.sqlite")) \
+        if watched else None
+    for _ in range(3):
+        step()
+    gc.collect()
+    counts = [0, 0, 0]
+    spent = [0.0, 0.0, 0.0]
+    started = [0.0]
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            counts[info["generation"]] += 1
+            spent[info["generation"]] += time.perf_counter() - started[0]
+
+    gc.callbacks.append(callback)
+    t0 = time.perf_counter()
+    try:
+        for _ in range(steps):
+            step()
+    finally:
+        gc.callbacks.remove(callback)
+    ms = (time.perf_counter() - t0) / steps * 1e3
+    if w is not None:
+        w.remove()
+    gens = "  ".join(f"gen{g} {counts[g] / steps:.3f} ({spent[g] / steps * 1e3:.3f} ms)" for g in range(3))
+    return f"{ms:.2f} ms/step;  {gens}"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=7)
@@ -79,6 +116,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--profile", action="store_true", help="also a cProfile of --steps steps with every=1")
     p.add_argument("--profile-top", type=int, default=30)
+    p.add_argument("--gc-steps", type=int, default=0, help="also count garbage collections over this many steps")
     args = p.parse_args()
     torch.set_num_threads(1)
     _stats.set_backend(fake_backend)
@@ -110,6 +148,10 @@ def main() -> None:
             td()
     res = run_interleaved(step, configs, rounds=args.rounds, steps=args.steps)
     print(table(res))
+    if args.gc_steps:
+        print(f"\n# garbage collections over {args.gc_steps} steps (per step: collections, ms in the collector)")
+        for name in ("baseline", "every=1"):
+            print(f"{name}: {gc_report(step, model, args.gc_steps, watched=name != 'baseline')}")
     if args.profile:
         d = tempfile.mkdtemp(prefix="ampdoctor-bench-")
         w = ampdoctor.watch(model, every=1, trace=str(Path(d) / "t.sqlite"))
