@@ -8,6 +8,8 @@
 //   C             fast path: bin = E + C, with E the exponent field of the value as an fp32
 //   BMAX          magnitude bits of the largest input value <= the format's max
 //   LO_CLAMP, HI_CLAMP, ZERO_IN_BIN0, NEED_OVF, SUBN_SPECIAL, LANE_HIST: see stage1
+//   PACKED        fp16 inputs whose every finite value has a bin E + C (no clamp, no overflow bin):
+//                 the fast path works on two elements per 32-bit word (fast_word)
 //   NT            threads per block
 //
 // Stage 1: one block per chunk of one tensor -> a histogram of P int32 counters and four
@@ -22,7 +24,6 @@
 #define DEV __device__ __forceinline__
 typedef unsigned int u32;
 typedef long long i64;
-typedef unsigned long long u64;
 DEV float h2f(u32 h) {
     float f;
     unsigned short s = (unsigned short)h;
@@ -34,6 +35,26 @@ DEV u32 f2h(float f) {  // exact for values that fp16 holds
     asm("cvt.rn.f16.f32 %0, %1;" : "=h"(s) : "f"(f));
     return (u32)s;
 }
+#if PACKED && __CUDA_ARCH__ < 800  // min/max.NaN.f16x2 need sm_80
+#undef PACKED
+#define PACKED 0
+#endif
+#if PACKED
+// per 16-bit half: the smaller / larger fp16 value, NaN if either is NaN
+DEV u32 hmin2n(u32 a, u32 b) { u32 d; asm("min.NaN.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
+DEV u32 hmax2n(u32 a, u32 b) { u32 d; asm("max.NaN.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
+// per 16-bit half: signed integer minimum
+#if __CUDA_ARCH__ >= 900
+DEV u32 vmins2(u32 a, u32 b) { u32 d; asm("min.s16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b)); return d; }
+#else
+DEV u32 vmins2(u32 a, u32 b) { return __vmins2(a, b); }
+#endif
+// both fp16 halves of a word as floats (exact)
+DEV void cvt2(u32 w, float& lo, float& hi) {
+    asm("{.reg .f16 l, h;\n\tmov.b32 {l, h}, %2;\n\tcvt.f32.f16 %0, l;\n\tcvt.f32.f16 %1, h;}"
+        : "=f"(lo), "=f"(hi) : "r"(w));
+}
+#endif
 #endif
 
 #define NW (NT / 32)
@@ -128,6 +149,31 @@ DEV void fast_el(u32 bits, float& vmin, float& vmax, u32& vabs, u32& vnzm1, u32&
     HIST_ADD(h, code);
 }
 
+#if PACKED
+// Two fp16 elements (one 32-bit word), fast path. min/max per half with NaN propagated: a chunk
+// holding NaN or Inf shows it in mn/mx and is measured again (stage1), so nothing else checks.
+// nz: per half, the signed 16-bit |x| + 0x7FFF (no carry between halves: |x| <= 0x7FFF), so 0
+// maps to 0x7FFF, the largest, and |x| >= 1 to -0x8000 + |x| - 1: its minimum is the smallest
+// non-zero |x|. The bin is E + C, E the fp32 exponent of |x| (fp16 subnormals are fp32 normals);
+// zero (E = 0) and NaN/Inf (E = 255) land in the dump bin P - 1 (unsigned minimum).
+DEV void hist_f(float f, u32* h) {
+    HIST_ADD(h, min((__float_as_uint(f) >> 23) + (u32)(C), (u32)(P - 1)));
+}
+
+DEV void fast_word(u32 w, u32& mn, u32& mx, u32& nz, u32* h, bool both) {
+    mn = hmin2n(mn, w);
+    mx = hmax2n(mx, w);
+    u32 a = w & 0x7FFF7FFFu;
+    nz = vmins2(nz, a + 0x7FFF7FFFu);
+    float f0, f1;
+    cvt2(a, f0, f1);
+    hist_f(f0, h);
+    if (both) hist_f(f1, h);
+}
+
+DEV int half_key(u32 h16) { return key_of(h16 & 0xFFFFu); }
+#endif
+
 // One element, exact classification of anything (NaN, Inf, subnormal input).
 DEV void slow_el(u32 bits, int& kmin, int& kmax, int& kabs, int& knz, u32* hw) {
     u32 a = bits & MAG;
@@ -210,6 +256,40 @@ extern "C" __global__ void stage1(const Table table, int m, int g0, int g1, int 
 #else
     u32* h = hs + warp * P;
 #endif
+    int kmin, kmax, kabs, knz, special;
+#if PACKED
+    u32 mn = 0x7C007C00u, mx = 0xFC00FC00u, nz = 0x7FFF7FFFu;  // +Inf, -Inf, "no non-zero"
+    const uint4* vp = (const uint4*)(base + s);
+    const i64 nvec = (e - s) / VEC;
+    i64 v = tid;
+    for (; v + nt < nvec; v += 2 * nt) {
+        uint4 q0 = vp[v];
+        uint4 q1 = vp[v + nt];
+        u32 w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+#pragma unroll
+        for (int k = 0; k < 8; ++k) fast_word(w[k], mn, mx, nz, h, true);
+    }
+    for (; v < nvec; v += nt) {
+        uint4 q0 = vp[v];
+        u32 w[4] = {q0.x, q0.y, q0.z, q0.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) fast_word(w[k], mn, mx, nz, h, true);
+    }
+    for (i64 i = s + nvec * VEC + tid; i < e; i += nt) {
+        u32 b = (u32)base[i];
+        fast_word(b | (b << 16), mn, mx, nz, h, false);  // the element in both halves, counted once
+    }
+    kmin = min(half_key(mn), half_key(mn >> 16));
+    kmax = max(half_key(mx), half_key(mx >> 16));
+    kabs = max(max(-kmin, kmax), 0);
+    int n16 = min((int)(short)(nz & 0xFFFFu), (int)(short)(nz >> 16));
+    knz = n16 == 0x7FFF ? INFB : n16 + 0x8000 + 1;
+    // NaN anywhere, +Inf in a maximum or -Inf in a minimum (the initial values are neither)
+    special = (mn & 0x7FFFu) > 0x7C00u || ((mn >> 16) & 0x7FFFu) > 0x7C00u ||
+              (mx & 0x7FFFu) > 0x7C00u || ((mx >> 16) & 0x7FFFu) > 0x7C00u ||
+              (mx & 0xFFFFu) == 0x7C00u || (mx >> 16) == 0x7C00u ||
+              (mn & 0xFFFFu) == 0xFC00u || (mn >> 16) == 0xFC00u;
+#else
     float vmin = __uint_as_float(0x7F800000u), vmax = -vmin;
     u32 vabs = 0u, vnzm1 = 0xFFFFFFFFu, emax = 0u;
     // s is a multiple of 1024 elements and the tensor 16-byte aligned: whole 16-byte vectors first
@@ -246,12 +326,14 @@ extern "C" __global__ void stage1(const Table table, int m, int g0, int g1, int 
     for (i64 i = s + nvec * VEC + tid; i < e; i += nt) {
         fast_el((u32)base[i], vmin, vmax, vabs, vnzm1, emax, h);
     }
-    int kmin = key_of(from_float(vmin)), kmax = key_of(from_float(vmax));
-    int kabs = (int)vabs;
-    int knz = vnzm1 == 0xFFFFFFFFu ? INFB : (int)(vnzm1 + 1u);
-    int special = emax == 0xFFu;
+    kmin = key_of(from_float(vmin));
+    kmax = key_of(from_float(vmax));
+    kabs = (int)vabs;
+    knz = vnzm1 == 0xFFFFFFFFu ? INFB : (int)(vnzm1 + 1u);
+    special = emax == 0xFFu;
 #if SUBN_SPECIAL
     special |= knz < (1 << MB);  // a subnormal input: its bin is not E + C
+#endif
 #endif
     if (__syncthreads_or(special)) {  // rare: NaN/Inf (or subnormals): measure the chunk again, exactly
         for (int i = tid; i < HIST_WORDS; i += nt) hs[i] = 0u;
@@ -287,6 +369,10 @@ extern "C" __global__ void stage1(const Table table, int m, int g0, int g1, int 
 #if ZERO_IN_BIN0
         if (b == 0) val = 0u;          // zeros landed in bin 0 (nothing else can)
         if (b == NB) val += tot[0];
+#endif
+#if PACKED
+        if (b == P - 1) val = 0u;      // zeros landed in the dump bin (in a chunk without NaN/Inf)
+        if (b == NB) val += tot[P - 1];
 #endif
         if (val) atomicAdd(a + b, (unsigned long long)val);
     }

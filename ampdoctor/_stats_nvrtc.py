@@ -56,11 +56,9 @@ def bits_of(value: float, dtype: torch.dtype) -> int:
 
 def hist_width(fmt: Format) -> int:
     """Per-chunk histogram width P: the format's bins, zero, NaN, +Inf, -Inf, "overflowing
-    values of the top exponent bin", a dump bin; a power of two, at least 32."""
-    p = 32
-    while p < fmt.n_bins + 6:
-        p *= 2
-    return p
+    values of the top exponent bin", a dump bin; a multiple of 16, at least 32 (fp16: 48; the
+    per-lane histograms of a block take P * 512 bytes, which bounds the resident blocks)."""
+    return max(32, -(-(fmt.n_bins + 6) // 16) * 16)
 
 
 @functools.cache
@@ -78,16 +76,20 @@ def defines(dtype: torch.dtype, fmt: Format) -> dict[str, int]:
     top = fmt.max_exp + bias  # exponent field of the format's top bin, in the input dtype
     bmax = bits_of(fmt.max, dtype)
     need_ovf = 1 <= top <= (inf >> mbits) - 1 and ((top << mbits) | ((1 << mbits) - 1)) > bmax
+    # fp16 inputs whose zeros (E = 0) fall below bin 0 and whose non-zero finite values all have an
+    # in-range bin E + C: the two-elements-a-word fast path (fp16 inputs, fp16 format)
+    packed = kind == 0 and c < 0 and e_min_nz + c >= 0 and e_max + c <= nb - 1 and not need_ovf
     return dict(
         DT=kind, NB=nb, P=p, MIN_EXP=fmt.min_exp, NORMAL_EXP=fmt.normal_exp, C=c, BMAX=bmax,
         LO_CLAMP=int(c < 0),
         HI_CLAMP=int(e_max + c > nb - 1),
         # zero has E = 0; when no non-zero input can land in bin 0, zeros are counted there and moved
-        ZERO_IN_BIN0=int(c <= 0 and e_min_nz + c >= 1),
+        ZERO_IN_BIN0=int(c <= 0 and e_min_nz + c >= 1 and not packed),
         NEED_OVF=int(need_ovf),
         # bf16/fp32 subnormals (E = 0) belong in bin 0 only when the format's range starts above them
         SUBN_SPECIAL=int(kind != 0 and c > 0),
         LANE_HIST=int(p <= 64),
+        PACKED=int(packed),
         NT=NT,
     )
 

@@ -5,7 +5,11 @@ batch and are measured together (:func:`ampdoctor.stats.batch_stats`: one fused 
 at *flush points*:
 
 * the batch's bytes exceed a budget (:data:`BUDGET_BYTES`; on CUDA 3% of the peak memory of the
-  first recorded step, within 16 MiB..1 GiB): the tensors it holds stay alive until then;
+  first recorded step, within 16 MiB..1 GiB): the tensors it holds stay alive until then. On CUDA
+  a batch past its budget may keep growing while the device's allocated memory stays a budget
+  below that peak (:meth:`RowPolicy.room`): most of what a batch holds (forward outputs that
+  autograd saves) is alive anyway, and memory under the peak training reaches on its own costs
+  nothing. It is checked again each time the batch grows by another budget;
 * a module with ``inplace=True`` (``nn.ReLU(inplace=True)``, dropout, ...) is about to run;
 * each backward pass ends (an autograd final callback): before ``GradScaler.unscale_``,
   gradient clipping or the next micro-batch change gradients in place;
@@ -58,6 +62,7 @@ class RowPolicy:
         self.calibrated = False      # False until the first recorded step has ended
         self.on_stale = on_stale
         self._cuda_tried = False
+        self.peaks: dict = {}  # CUDA device -> peak allocated bytes when the first recorded step ended
 
     def fit_budget(self, devices: set) -> None:
         """On CUDA, after the first recorded step: a budget of 3% of the peak memory so far
@@ -65,9 +70,21 @@ class RowPolicy:
         anyway. Reads the allocator's counters only (no sync)."""
         if not self._fit:
             return
-        peaks = [torch.cuda.max_memory_allocated(d) for d in devices if d.type == "cuda"]
-        if peaks:
-            self.budget = int(min(1 << 30, max(16 << 20, 0.03 * max(peaks))))
+        self.peaks = {d: torch.cuda.max_memory_allocated(d) for d in devices if d.type == "cuda"}
+        if self.peaks:
+            self.budget = int(min(1 << 30, max(16 << 20, 0.03 * max(self.peaks.values()))))
+
+    def room(self, pending: int) -> bool:
+        """Whether a batch of ``pending`` bytes, past its budget, may grow by another budget:
+        on every CUDA device of the session, allocated memory plus a budget stays under the peak
+        of the first recorded step, and the batch under a quarter of that peak. Reads the
+        allocator's counters (no sync)."""
+        if not self.peaks:
+            return False
+        for d, peak in self.peaks.items():
+            if pending > peak // 4 or torch.cuda.memory_allocated(d) + self.budget > peak:
+                return False
+        return True
 
     def cuda_seen(self) -> None:
         if not self._cuda_tried:
@@ -89,6 +106,7 @@ class StepRows:
         self.dropped: set[int] = set()
         self._pending: list[tuple[int, torch.Tensor, int, Hashable, bool]] = []  # (.., measured)
         self._pending_bytes = 0
+        self._check_at = policy.budget  # pending bytes at which the batch is flushed or let grow
         self._seen: dict[int, tuple[Any, int, int]] = {}  # id(t) -> (weakref, _version, slot)
         self._devices: set[torch.device] = set()
 
@@ -130,8 +148,11 @@ class StepRows:
             measured = True  # calibration: also wait in the batch, to learn whether it would go stale
         self._pending.append((slot, t, ver, key, measured))
         self._pending_bytes += t.numel() * t.element_size() if nbytes is None else nbytes
-        if self._pending_bytes > pol.budget:
-            self.flush()
+        if self._pending_bytes > self._check_at:
+            if pol.room(self._pending_bytes):
+                self._check_at = self._pending_bytes + pol.budget
+            else:
+                self.flush()
         return slot
 
     def add_row(self, meta: tuple, t: torch.Tensor, key: Hashable) -> None:
@@ -164,6 +185,7 @@ class StepRows:
             return
         pol = self.policy
         pending, self._pending, self._pending_bytes = self._pending, [], 0
+        self._check_at = pol.budget
         by_dev: dict[torch.device, tuple[list, list]] = {}
         for slot, t, ver, key, measured in pending:
             if t._version != ver:

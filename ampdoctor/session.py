@@ -363,6 +363,8 @@ class Session:
         if recorded or self._oracle is not None or len(self._pending_scalars) >= self.config.every:
             decision = self._flush_soon(rows, row_meta, flags, flag_meta, recorded)
         self.writer.commit()
+        for w in self.watches:  # the next step's hooks: only a recorded step needs them
+            w.sleep(not self.recording)
         if decision is not None:
             raise StopRun(decision.reason or decision.outcome, decision)
         if self.config.max_steps is not None and self.step >= self.config.max_steps:
@@ -585,6 +587,13 @@ class Session:
                     pass
                 except Exception as e:  # pragma: no cover - never mask the user's own error
                     log.warning("ampdoctor: could not flush the last step: %s", e)
+            if self._pending_scalars:  # steps not recorded since the last write (every > 1)
+                try:
+                    self._flush_soon(StepRows(self._row_policy), [], [], [], False)
+                except StopRun:
+                    pass
+                except Exception as e:  # pragma: no cover - never mask the user's own error
+                    log.warning("ampdoctor: could not write the last steps: %s", e)
         finally:
             if self._deferred is not None:
                 try:

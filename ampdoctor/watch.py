@@ -133,6 +133,8 @@ class Watch:
         self._fp32 = None
         self._stack: dict[int, list] = {}
         self._param_hooks_were_none: list[tuple[nn.Parameter, bool]] = []
+        self._sleepers: list[Any] = []  # handles of the hooks that only work on recorded steps
+        self._asleep: list[tuple[Any, Any, Any, list]] | None = None  # (dict, key, hook, keys after it)
         root, notes = unwrap_model(model)
         self.root = root
         self._compiled = any("torch.compile" in n for n in notes)
@@ -140,6 +142,7 @@ class Watch:
             session.note(n)
         self._attach(root, all_modules)
         session.attach(self)
+        self.sleep(not session.recording)
         if session.config.force_fp32:
             self._force(session.config.force_fp32)
         _WATCHED[root] = self
@@ -158,8 +161,8 @@ class Watch:
             lid = s.new_layer(full, type(mod).__name__, is_leaf, parent)
             ids[id(mod)] = lid
             stats = all_modules or is_leaf or has_own_params
-            self._handles.append(mod.register_forward_pre_hook(self._make_pre(lid)))
-            self._handles.append(mod.register_forward_hook(self._make_post(lid, stats), always_call=False))
+            self._sleepers.append(mod.register_forward_pre_hook(self._make_pre(lid)))
+            self._sleepers.append(mod.register_forward_hook(self._make_post(lid, stats), always_call=False))
             if name == "" and s.config.oracle is not None:
                 self._handles.append(mod.register_forward_hook(self._root_output_check()))
             if stats:
@@ -170,7 +173,30 @@ class Watch:
                     self._params.append((lid, pname, p))
                     if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
                         self._param_hooks_were_none.append((p, getattr(p, "_post_accumulate_grad_hooks", None) is None))
-                        self._handles.append(p.register_post_accumulate_grad_hook(self._make_wgrad(lid, pname)))
+                        self._sleepers.append(p.register_post_accumulate_grad_hook(self._make_wgrad(lid, pname)))
+        self._handles.extend(self._sleepers)
+
+    def sleep(self, asleep: bool) -> None:
+        """Take the module and weight-gradient hooks out of their dicts for steps that are not
+        recorded (they would return at once, but a module with any hook takes PyTorch's slower
+        call path), and put them back, in their places, before a recorded step. Not under
+        torch.compile: dynamo guards on the hook dicts and would recompile at each change."""
+        if asleep == (self._asleep is not None) or self._removed or self._compiled:
+            return
+        if asleep:
+            self._asleep = []
+            for h in self._sleepers:
+                d = h.hooks_dict_ref()
+                if d is not None and h.id in d:
+                    keys = list(d)
+                    self._asleep.append((d, h.id, d.pop(h.id), keys[keys.index(h.id) + 1:]))
+            return
+        for d, key, hook, after in self._asleep:
+            d[key] = hook
+            for k in after:  # hooks registered after ours run after ours again
+                if k in d:
+                    d.move_to_end(k)
+        self._asleep = None
 
     def _grad_work(self, t: torch.Tensor, entries: tuple) -> None:
         """Have ``entries`` done, in order, with ``t``'s gradient (see :class:`_GradWork`)."""
@@ -322,9 +348,11 @@ class Watch:
         if self._removed:
             return
         self._removed = True
+        self._asleep = None  # asleep: already out of their dicts
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._sleepers.clear()
         for p, was_none in self._param_hooks_were_none:
             if was_none and not getattr(p, "_post_accumulate_grad_hooks", None):
                 p._post_accumulate_grad_hooks = None  # exactly as before, not an empty dict

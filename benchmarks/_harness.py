@@ -98,3 +98,49 @@ def table(results: dict[str, Result], base: str = "baseline", *, extra_cols: tup
         row += "".join(f" {res.extra.get(c, '')} |" for c in extra_cols)
         lines.append(row)
     return "\n".join(lines)
+
+
+def hooks_only(model, *, read: bool = False) -> Config:
+    """Reference floors, not ampdoctor. ``hooks-only``: a no-op forward pre-hook and a forward hook
+    on every module, the latter appending the output and registering a tensor hook that appends its
+    gradient, and a post-accumulate-grad hook on every parameter that appends. ``read-once``: the
+    same hooks on leaf modules only, each reading its tensor once (one ``amax`` reduction kept in a
+    list, no sync):
+    the cost of one pass over every leaf output, output gradient and weight gradient."""
+    import torch
+
+    def setup():
+        got: list = []
+        handles = []
+        keep = (lambda t: got.append(t.detach().amax())) if read else got.append
+
+        def post(mod, args, out):
+            if isinstance(out, torch.Tensor):
+                keep(out)
+                if out.requires_grad:
+                    out.register_hook(keep)
+            elif not read:
+                got.append(out)
+
+        mods = [m for m in model.modules() if not read or not any(True for _ in m.children())]
+        for m in mods:
+            if not read:
+                handles.append(m.register_forward_pre_hook(lambda mod, args: None))
+            handles.append(m.register_forward_hook(post))
+        for p in model.parameters():
+            handles.append(p.register_post_accumulate_grad_hook(lambda p: keep(p.grad)) if read
+                           else p.register_post_accumulate_grad_hook(got.append))
+
+        def clear(*_):
+            got.clear()
+
+        handles.append(model.register_forward_pre_hook(clear))
+
+        def teardown():
+            for h in handles:
+                h.remove()
+            got.clear()
+
+        return teardown
+
+    return Config("read-once" if read else "hooks-only", setup)

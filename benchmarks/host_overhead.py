@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import Config, run_interleaved, table, watch_config  # noqa: E402
+from _harness import Config, hooks_only, run_interleaved, table, watch_config  # noqa: E402
 from _models import Encoder  # noqa: E402
 
 import ampdoctor  # noqa: E402
@@ -44,33 +44,6 @@ from ampdoctor import stats as _stats  # noqa: E402
 def fake_backend(tensors, fmt):
     """Rows of zeros: no tensor is read (bookkeeping only)."""
     return torch.zeros((len(tensors), _stats.row_width(fmt)), dtype=torch.float64)
-
-
-def hooks_only(model: torch.nn.Module):
-    """The ``hooks-only`` reference: hooks that only append (see the module docstring)."""
-    def setup():
-        got: list = []
-        handles = []
-
-        def post(mod, args, out):
-            got.append(out)
-            if isinstance(out, torch.Tensor) and out.requires_grad:
-                out.register_hook(got.append)
-
-        for m in model.modules():
-            handles.append(m.register_forward_pre_hook(lambda mod, args: None))
-            handles.append(m.register_forward_hook(post))
-        for p in model.parameters():
-            handles.append(p.register_post_accumulate_grad_hook(got.append))
-
-        def teardown():
-            for h in handles:
-                h.remove()
-            got.clear()
-
-        return teardown
-
-    return Config("hooks-only", setup)
 
 
 def gc_report(step, model: torch.nn.Module, steps: int, *, watched: bool) -> str:

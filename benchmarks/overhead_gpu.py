@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import Config, run_interleaved, table, watch_config  # noqa: E402
+from _harness import Config, hooks_only, run_interleaved, table, watch_config  # noqa: E402
 from _models import Encoder  # noqa: E402
 
 import ampdoctor  # noqa: E402
@@ -171,6 +171,7 @@ def profile_every(step, model, n: int, out_dir: str, tag: str, every: int = 1) -
     s = io.StringIO()
     ps = pstats.Stats(pr, stream=s).sort_stats("tottime")
     ps.print_stats(30)
+    ps.sort_stats("cumulative").print_stats("ampdoctor", 40)
     ps.print_callers("item|pin_memory")
     with open(os.path.join(out_dir, f"profile_{tag}.txt"), "w") as f:
         f.write(f"# {n} steps, every={every}\n")
@@ -248,6 +249,8 @@ def main() -> None:
     p.add_argument("--sync-steps", type=int, default=10)
     p.add_argument("--profile", default=None, help="folder for every=1 profiles")
     p.add_argument("--kernel", action="store_true", help="also time the statistics kernel alone")
+    p.add_argument("--floors", action="store_true",
+                   help="also the reference floors: hooks that only append, and hooks that read each tensor once")
     args = p.parse_args()
     warnings.filterwarnings("ignore", message=".*[Aa]nomaly.*")
 
@@ -265,6 +268,8 @@ def main() -> None:
               f"AdamW; {args.rounds} rounds x {k} steps (slow tools {args.slow_steps})", flush=True)
         configs = [Config("baseline"), watch_config("ampdoctor every=1", model, 1),
                    watch_config("ampdoctor every=10", model, 10)]
+        if args.floors:
+            configs += [hooks_only(model), hooks_only(model, read=True)]
         if args.ablations:
             configs += [watch_config("every=1, blocking read", model, 1, before=_no_defer, after=_defer)]
         if args.torch_path:

@@ -115,3 +115,42 @@ def test_flags_cost_no_kernel_of_their_own(tmp_path, monkeypatch):
     # read off a row, and only the model's input is measured for a flag alone
     assert len(calls) == 2
     assert sum(calls) == len(step1) + 1
+
+
+def test_batch_past_budget_grows_only_under_the_peak(monkeypatch):
+    """A batch past its budget is let grow (no flush) while allocated memory plus a budget stays
+    under the first recorded step's peak, and is flushed once it would not, or once it holds a
+    quarter of that peak; rows are the same either way."""
+    from ampdoctor.formats import get_format
+    allocated = {"now": 0}
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: allocated["now"])
+    pol = rows_mod.RowPolicy(get_format("fp16"), budget=400)
+    pol.calibrated = True
+    pol.peaks = {torch.device("cuda", 0): 10_000}
+    assert pol.room(1000)
+    allocated["now"] = 9_700
+    assert not pol.room(1000)                 # 9700 + 400 > 10000
+    allocated["now"] = 0
+    assert not pol.room(2_600)                # more than a quarter of the peak
+    step = rows_mod.StepRows(pol)
+    ts = [torch.full((25,), float(i + 1)) for i in range(40)]  # 100 bytes each
+    for i, t in enumerate(ts[:20]):
+        step.add_row(("m", i, 100), t, ("k", i))
+    assert not step.blocks and len(step._pending) == 20    # 2000 bytes past a 400-byte budget
+    allocated["now"] = 9_700
+    for i, t in enumerate(ts[20:25]):                      # the next check (past 2400 bytes) flushes
+        step.add_row(("m", 20 + i, 100), t, ("k", 20 + i))
+    assert len(step.blocks) == 1 and not step._pending
+    step.finish()
+    table = step.host_table([b.numpy() for b in step.device_pieces()], step.blocks[0][0].shape[1])
+    assert [row[6] for row in table] == [float(i + 1) for i in range(25)]  # max of each tensor
+
+
+def test_without_peaks_a_batch_flushes_at_its_budget():
+    from ampdoctor.formats import get_format
+    pol = rows_mod.RowPolicy(get_format("fp16"), budget=250)
+    pol.calibrated = True
+    step = rows_mod.StepRows(pol)
+    for i in range(9):
+        step.add_row(("m", i, 100), torch.ones(25), ("k", i))
+    assert len(step.blocks) == 3

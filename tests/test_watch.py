@@ -82,6 +82,36 @@ def test_loss_without_scaler_and_every(tmp_path):
     assert all(s["scale"] is None for s in steps)
 
 
+def test_hooks_sleep_on_steps_not_recorded(tmp_path):
+    """every=3: between recorded steps the module and weight-gradient hooks are out of their dicts
+    (PyTorch's fast call path); they come back in their places, after a user's earlier hook and
+    before a later one; remove() while they sleep restores everything."""
+    model = _model()
+    before_m = _module_state(model)
+    calls: list = []
+    early = model[2].register_forward_hook(lambda m, a, o: calls.append("early"))
+    w = ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite"), every=3)
+    late = model[2].register_forward_hook(lambda m, a, o: calls.append("late"))
+    ours = [k for k in model[2]._forward_hooks if k not in (early.id, late.id)]
+    assert list(model[2]._forward_hooks) == [early.id, *ours, late.id]
+    seen = []
+    for _ in range(5):
+        seen.append((len(model[0]._forward_pre_hooks), len(model[0].weight._post_accumulate_grad_hooks),
+                     list(model[2]._forward_hooks)))
+        train(model, 1)
+    assert [s[:2] for s in seen] == [(1, 1), (0, 0), (0, 0), (1, 1), (0, 0)]
+    assert seen[3][2] == [early.id, *ours, late.id] and seen[1][2] == [early.id, late.id]
+    assert calls.count("early") == calls.count("late") == 5
+    w.remove()
+    early.remove()
+    late.remove()
+    assert _module_state(model) == before_m
+    r = TraceReader(tmp_path / "t.sqlite")
+    assert [s["recorded"] for s in r.steps()] == [1, 0, 0, 1, 0]
+    assert {s["step"] for s in r.stats(kind="activation")} == {0, 3}
+    assert {s["step"] for s in r.stats(kind="weight_grad")} == {0, 3}
+
+
 def test_inplace_relu_after_linear_records_pre_relu_values(tmp_path):
     torch.manual_seed(0)
     lin = nn.Linear(8, 16)

@@ -45,3 +45,23 @@ static inline u32 f2h(float f) {  // float that fp16 holds exactly (or +-inf) ->
     if (ex <= 0) return s | (u32)std::ldexp(a, 24);  // subnormal: a / 2^-24
     return s | ((u32)ex << 10) | ((u32)std::ldexp(fr * 2.0f - 1.0f, 10));
 }
+// The packed fp16 instructions (PACKED): per 16-bit half of a 32-bit word.
+static inline bool h_nan(u32 h) { return (h & 0x7FFFu) > 0x7C00u; }
+static inline u32 h_pick(u32 a, u32 b, bool want_min) {  // a, b: fp16 bits; NaN if either is NaN
+    if (h_nan(a) || h_nan(b)) return 0x7FFFu;
+    float fa = h2f(a), fb = h2f(b);
+    if (fa == fb) return (want_min ? (a | b) : (a & b)) & 0xFFFFu;  // -0 below +0
+    return (want_min ? fa < fb : fa > fb) ? a : b;
+}
+static inline u32 hmin2n(u32 a, u32 b) {
+    return h_pick(a & 0xFFFFu, b & 0xFFFFu, true) | (h_pick(a >> 16, b >> 16, true) << 16);
+}
+static inline u32 hmax2n(u32 a, u32 b) {
+    return h_pick(a & 0xFFFFu, b & 0xFFFFu, false) | (h_pick(a >> 16, b >> 16, false) << 16);
+}
+static inline u32 vmins2(u32 a, u32 b) {
+    int16_t al = (int16_t)(a & 0xFFFFu), bl = (int16_t)(b & 0xFFFFu);
+    int16_t ah = (int16_t)(a >> 16), bh = (int16_t)(b >> 16);
+    return (u32)(uint16_t)std::min(al, bl) | ((u32)(uint16_t)std::min(ah, bh) << 16);
+}
+static inline void cvt2(u32 w, float& lo, float& hi) { lo = h2f(w & 0xFFFFu); hi = h2f(w >> 16); }
