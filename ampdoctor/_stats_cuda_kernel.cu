@@ -224,6 +224,9 @@ extern "C" __global__ void stage1(const Table table, int m, int g0, int g1, int 
     const i64* meta = table.v;
     __shared__ u32 hs[HIST_WORDS];
     __shared__ u32 tot[P];
+#if LANE_HIST
+    __shared__ u32 wsum[NW][P];
+#endif
     __shared__ int kred[4][NW > 0 ? NW : 1];
     __shared__ i64 sh_t[2];
     const int tid = threadIdx.x, nt = blockDim.x, lane = tid & 31, warp = tid >> 5;
@@ -262,10 +265,17 @@ extern "C" __global__ void stage1(const Table table, int m, int g0, int g1, int 
     const uint4* vp = (const uint4*)(base + s);
     const i64 nvec = (e - s) / VEC;
     i64 v = tid;
+    uint4 q0, q1;
+    if (v + nt < nvec) {
+        q0 = vp[v];
+        q1 = vp[v + nt];
+    }
     for (; v + nt < nvec; v += 2 * nt) {
-        uint4 q0 = vp[v];
-        uint4 q1 = vp[v + nt];
         u32 w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+        if (v + 3 * nt < nvec) {  // the next pair's loads in flight while this one is counted
+            q0 = vp[v + 2 * nt];
+            q1 = vp[v + 3 * nt];
+        }
 #pragma unroll
         for (int k = 0; k < 8; ++k) fast_word(w[k], mn, mx, nz, h, true);
     }
@@ -352,16 +362,30 @@ extern "C" __global__ void stage1(const Table table, int m, int g0, int g1, int 
         kred[0][warp] = kmin; kred[1][warp] = kmax; kred[2][warp] = kabs; kred[3][warp] = knz;
     }
     __syncthreads();
+#if LANE_HIST
+    // each warp folds its own histogram (lane l: bins l, l + 32, ...; skewed reads, no bank
+    // conflicts), then one thread a bin adds the warps' sums
+    const int lanes = nt < 32 ? nt : 32;  // 32 (fewer only in the one-thread host build)
+    for (int b = lane; b < P; b += lanes) {
+        const u32* col = hs + (warp * P + b) * 32;
+        u32 sum = 0u;
+#pragma unroll 8
+        for (int l = 0; l < 32; ++l) sum += col[(l + b) & 31];
+        wsum[warp][b] = sum;
+    }
+    __syncthreads();
     for (int b = tid; b < P; b += nt) {
         u32 sum = 0u;
-#if LANE_HIST
-        for (int w = 0; w < NW; ++w)
-            for (int l = 0; l < 32; ++l) sum += hs[(w * P + b) * 32 + ((l + b) & 31)];  // skewed: no bank conflicts
-#else
-        for (int w = 0; w < NW; ++w) sum += hs[w * P + b];
-#endif
+        for (int w = 0; w < NW; ++w) sum += wsum[w][b];
         tot[b] = sum;
     }
+#else
+    for (int b = tid; b < P; b += nt) {
+        u32 sum = 0u;
+        for (int w = 0; w < NW; ++w) sum += hs[w * P + b];
+        tot[b] = sum;
+    }
+#endif
     __syncthreads();
     unsigned long long* a = acc + (i64)ti * ACC;
     for (int b = tid; b < P; b += nt) {
