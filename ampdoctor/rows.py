@@ -9,7 +9,7 @@ at *flush points*:
   a batch past its budget may keep growing while the device's allocated memory stays a budget
   below that peak (:meth:`RowPolicy.room`): most of what a batch holds (forward outputs that
   autograd saves) is alive anyway, and memory under the peak training reaches on its own costs
-  nothing. It is checked again each time the batch grows by another budget;
+  nothing. It is checked again each time the batch grows by two budgets;
 * a module with ``inplace=True`` (``nn.ReLU(inplace=True)``, dropout, ...) is about to run;
 * each backward pass ends (an autograd final callback): before ``GradScaler.unscale_``,
   gradient clipping or the next micro-batch change gradients in place;
@@ -50,6 +50,18 @@ _weakref = weakref.ref
 EAGER = os.environ.get("AMPDOCTOR_EAGER", "0") == "1"  # measure every tensor in its hook (no batching)
 
 
+def _allocated(dev: torch.device) -> int:
+    """Bytes allocated on a CUDA device now. The raw counters: ``torch.cuda.memory_allocated``
+    flattens every allocator statistic in Python first (about 0.3 ms a call)."""
+    raw = getattr(torch._C, "_cuda_memoryStats", None)
+    if raw is not None:
+        try:
+            return raw(dev.index if dev.index is not None else torch.cuda.current_device())["allocated_bytes"]["all"]["current"]
+        except Exception:  # another layout in another torch: the public call
+            pass
+    return torch.cuda.memory_allocated(dev)
+
+
 class RowPolicy:
     """What the steps of a session learn and share: tensors that must be measured at once."""
 
@@ -75,16 +87,21 @@ class RowPolicy:
             self.budget = int(min(1 << 30, max(16 << 20, 0.03 * max(self.peaks.values()))))
 
     def room(self, pending: int) -> bool:
-        """Whether a batch of ``pending`` bytes, past its budget, may grow by another budget:
-        on every CUDA device of the session, allocated memory plus a budget stays under the peak
-        of the first recorded step, and the batch under a quarter of that peak. Reads the
-        allocator's counters (no sync)."""
+        """Whether a batch of ``pending`` bytes, past its budget, may grow by another
+        :attr:`step`: on every CUDA device of the session, allocated memory plus a step stays
+        under the peak of the first recorded step, and the batch under a quarter of that peak.
+        Reads the allocator's counters (no sync)."""
         if not self.peaks:
             return False
         for d, peak in self.peaks.items():
-            if pending > peak // 4 or torch.cuda.memory_allocated(d) + self.budget > peak:
+            if pending > peak // 4 or _allocated(d) + self.step > peak:
                 return False
         return True
+
+    @property
+    def step(self) -> int:
+        """How much a batch past its budget grows between two looks at the allocator."""
+        return 2 * self.budget
 
     def cuda_seen(self) -> None:
         if not self._cuda_tried:
@@ -150,7 +167,7 @@ class StepRows:
         self._pending_bytes += t.numel() * t.element_size() if nbytes is None else nbytes
         if self._pending_bytes > self._check_at:
             if pol.room(self._pending_bytes):
-                self._check_at = self._pending_bytes + pol.budget
+                self._check_at = self._pending_bytes + pol.step
             else:
                 self.flush()
         return slot
