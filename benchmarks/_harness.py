@@ -86,12 +86,15 @@ def run_interleaved(step: Callable[[], None], configs: list[Config], *, rounds: 
 def table(results: dict[str, Result], base: str = "baseline", *, extra_cols: tuple[str, ...] = ()) -> str:
     b = statistics.median(results[base].ms)
     bpeak = max(results[base].peak) if results[base].peak else None
-    head = "| config | median ms/step | ratio | min..max ms |" + ("" if bpeak is None else " peak MiB | extra peak |")
+    head = "| config | median ms/step | ratio | paired ratio | min..max ms |" + ("" if bpeak is None else " peak MiB | extra peak |")
     head += "".join(f" {c} |" for c in extra_cols)
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, res in results.items():
         m = statistics.median(res.ms)
-        row = f"| {name} | {m:.2f} | {m / b:.3f}x | {min(res.ms):.2f}..{max(res.ms):.2f} |"
+        # each round's ratio to the baseline of the same round, median over rounds: robust to a host
+        # whose speed drifts between rounds
+        paired = statistics.median(x / y for x, y in zip(res.ms, results[base].ms))
+        row = f"| {name} | {m:.2f} | {m / b:.3f}x | {paired:.3f}x | {min(res.ms):.2f}..{max(res.ms):.2f} |"
         if bpeak is not None:
             p = max(res.peak)
             row += f" {p / 2**20:.0f} | {100 * (p - bpeak) / bpeak:+.2f}% |"
@@ -144,3 +147,21 @@ def hooks_only(model, *, read: bool = False) -> Config:
         return teardown
 
     return Config("read-once" if read else "hooks-only", setup)
+
+
+def cuda_ms_per_call(fn, n: int = 10, reps: int = 10) -> float:
+    """Milliseconds per call of ``fn``: ``reps`` calls back to back between two CUDA events (so the
+    host's launch work overlaps the GPU's, as in training), median of ``n``."""
+    import torch
+
+    fn()
+    times = []
+    for _ in range(n):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / reps)
+    return sorted(times)[n // 2]

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import Config, hooks_only, run_interleaved, table, watch_config  # noqa: E402
+from _harness import Config, cuda_ms_per_call, hooks_only, run_interleaved, table, watch_config  # noqa: E402
 from _models import Encoder  # noqa: E402
 
 import ampdoctor  # noqa: E402
@@ -206,19 +206,6 @@ def kernel_throughput() -> None:
     print("| tensors | NVRTC ms | NVRTC GB/s | Triton ms | one read (amax) ms | read GB/s |")
     print("|---|---|---|---|---|---|")
 
-    def timed(fn, reps=10):  # ms per call, reps calls back to back (GPU-bound, not host-bound)
-        fn()
-        times = []
-        for _ in range(10):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(reps):
-                fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / reps)
-        return sorted(times)[5]
-
     old = os.environ.get(stats_cuda.ENV_BACKEND)
     try:
         for name, ts in cases.items():
@@ -229,8 +216,8 @@ def kernel_throughput() -> None:
                 if stats_cuda.backend() != which:
                     res.append(float("nan"))
                     continue
-                res.append(timed(lambda ts=ts: stats_cuda.fused_batch_stats(ts, fmt)))
-            res.append(timed(lambda ts=ts: [t.amax() for t in ts]))
+                res.append(cuda_ms_per_call(lambda ts=ts: stats_cuda.fused_batch_stats(ts, fmt)))
+            res.append(cuda_ms_per_call(lambda ts=ts: [t.amax() for t in ts]))
             print(f"| {name} | {res[0]:.3f} | {nbytes / res[0] / 1e6:.0f} | {res[1]:.3f} | {res[2]:.3f} | "
                   f"{nbytes / res[2] / 1e6:.0f} |", flush=True)
     finally:

@@ -13,22 +13,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import cuda_ms_per_call  # noqa: E402
+
 from ampdoctor import _stats_nvrtc, get_format, stats_cuda  # noqa: E402
-
-
-def timed(fn, n: int = 20, reps: int = 10) -> float:
-    """ms per call: reps calls back to back between two events (median of n)."""
-    fn()
-    times = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / reps)
-    return sorted(times)[n // 2]
 
 
 def main() -> None:
@@ -43,7 +31,7 @@ def main() -> None:
     row = []
     for ts in cases.values():
         nb = sum(t.numel() * t.element_size() for t in ts)
-        ms = timed(lambda ts=ts: [t.amax() for t in ts])
+        ms = cuda_ms_per_call(lambda ts=ts: [t.amax() for t in ts], n=20)
         row.append(f"{ms:.3f} ({nb / ms / 1e6:.0f})")
     print("| amax | - | " + " | ".join(row) + " |", flush=True)
     saved = _stats_nvrtc.NT, _stats_nvrtc.MIN_CHUNK
@@ -56,7 +44,7 @@ def main() -> None:
             for ts in cases.values():
                 nb = sum(t.numel() * t.element_size() for t in ts)
                 try:
-                    ms = timed(lambda ts=ts: stats_cuda.fused_batch_stats(ts, fmt))
+                    ms = cuda_ms_per_call(lambda ts=ts: stats_cuda.fused_batch_stats(ts, fmt), n=20)
                 except RuntimeError as e:  # 256 threads: the per-lane histograms exceed 48 KB
                     row.append(f"does not build ({str(e).strip().splitlines()[-1][:60]})")
                     continue
