@@ -42,6 +42,11 @@ KINDS = {
 _INT_VIEW = {16: torch.int16, 32: torch.int32, 64: torch.int64}
 
 
+def inf_bits(bits: int, mbits: int) -> int:
+    """Magnitude bits of +Inf in a float format of ``bits`` bits with ``mbits`` mantissa bits."""
+    return ((1 << (bits - 1 - mbits)) - 1) << mbits
+
+
 def bits_of(value: float, dtype: torch.dtype) -> int:
     """Magnitude bits of the largest finite value of ``dtype`` that is ``<= value`` (value >= 0)."""
     fi = torch.finfo(dtype)
@@ -50,8 +55,7 @@ def bits_of(value: float, dtype: torch.dtype) -> int:
     b = int(t.view(_INT_VIEW[bits]).item()) & ((1 << (bits - 1)) - 1)
     if float(t.to(torch.float64)) > value:
         b -= 1  # positive floats: one step down in bits is one step down in value
-    inf = ((1 << (bits - 1 - mbits)) - 1) << mbits
-    return min(b, inf - 1)
+    return min(b, inf_bits(bits, mbits) - 1)
 
 
 def hist_width(fmt: Format) -> int:
@@ -72,7 +76,7 @@ def defines(dtype: torch.dtype, fmt: Format) -> dict[str, int]:
     c = -127 - fmt.min_exp + 1
     e_min_nz = 127 - 24 if kind == 0 else 0       # smallest E of a non-zero input
     e_max = 127 + 15 if kind == 0 else 254        # largest E of a finite input
-    inf = ((1 << (bits - 1 - mbits)) - 1) << mbits
+    inf = inf_bits(bits, mbits)
     top = fmt.max_exp + bias  # exponent field of the format's top bin, in the input dtype
     bmax = bits_of(fmt.max, dtype)
     need_ovf = 1 <= top <= (inf >> mbits) - 1 and ((top << mbits) | ((1 << mbits) - 1)) > bmax

@@ -70,11 +70,7 @@ _INT_VIEW = {16: torch.int16, 32: torch.int32, 64: torch.int64}
 _state: dict[str, Any] = {"kernels": None, "error": None, "nvrtc": {}}
 
 
-def _inf_bits(bits: int, mbits: int) -> int:
-    ebits = bits - 1 - mbits
-    return ((1 << ebits) - 1) << mbits
-
-
+_inf_bits = _stats_nvrtc.inf_bits
 _bits_of = _stats_nvrtc.bits_of
 
 

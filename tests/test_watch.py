@@ -112,6 +112,28 @@ def test_hooks_sleep_on_steps_not_recorded(tmp_path):
     assert {s["step"] for s in r.stats(kind="weight_grad")} == {0, 3}
 
 
+def test_detail_after_a_nonfinite_loss_wakes_the_hooks(tmp_path):
+    """every=4 and a NaN loss at step 5 (seen when step 8's batch of losses is read): the steps
+    recorded in detail after it have their statistics, so the hooks were back for them, and no
+    step that is not marked recorded has any."""
+    torch.manual_seed(0)
+    model = _model()
+
+    def make_x(i):
+        x = torch.randn(4, 8)
+        if i == 5:
+            x[0, 0] = float("inf")
+        return x
+
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite"), every=4):
+        train(model, 12, make_x=make_x, scaler=False, autocast=False, lr=0.0)
+    r = TraceReader(tmp_path / "t.sqlite")
+    recorded = {s["step"] for s in r.steps() if s["recorded"]}
+    assert {0, 4, 8, 9, 10, 11} <= recorded and not {1, 2, 3, 5, 6, 7} & recorded
+    for kind in ("activation", "gradient", "weight_grad"):
+        assert {s["step"] for s in r.stats(kind=kind)} == recorded
+
+
 def test_inplace_relu_after_linear_records_pre_relu_values(tmp_path):
     torch.manual_seed(0)
     lin = nn.Linear(8, 16)
