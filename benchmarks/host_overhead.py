@@ -8,7 +8,8 @@ only ampdoctor's bookkeeping (hooks, slots, flags, flushes, trace rows, the writ
 measured, not the statistics kernels. Configurations run interleaved in one process (medians).
 ``hooks-only`` is a reference floor, not ampdoctor: a no-op forward pre-hook and a forward hook on every
 module, the latter appending each output and registering a tensor hook that appends its gradient, plus
-a post-accumulate-grad hook on every parameter that appends.
+a post-accumulate-grad hook on every parameter that appends (``_harness.hooks_only``, shared with
+``overhead_gpu.py``; what it holds is dropped at the next forward).
 
 The harness runs ``gc.collect()`` between rounds, so rare full (generation 2) collections, which
 the recorder's allocations bring on, barely show in the table; ``--gc-steps N`` counts the garbage
