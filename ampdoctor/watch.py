@@ -307,10 +307,32 @@ class Watch:
         return self._hook_fn(post)
 
     def _hook_fn(self, fn):
-        """Under torch.compile, keep dynamo out of our hooks (it would trace and recompile them)."""
-        if self._compiled and hasattr(torch, "compiler") and hasattr(torch.compiler, "disable"):
-            return torch.compiler.disable(fn)
-        return fn
+        """Under torch.compile, keep dynamo out of our hooks (it would trace them, guard on the
+        session's state and recompile every step). A model compiled after ``watch()`` is seen in
+        its first traced hook call: from then on that call runs eagerly and the hooks stay put
+        (no sleeping between recorded steps, whose hook changes would recompile too)."""
+        compiler = getattr(torch, "compiler", None)
+        if compiler is None or not hasattr(compiler, "disable"):
+            return fn
+        if self._compiled:
+            return compiler.disable(fn)
+        is_compiling = getattr(compiler, "is_compiling", None)
+        if is_compiling is None:
+            return fn
+        watch = self
+
+        def eager(*args: Any) -> Any:
+            watch._compiled = True
+            return fn(*args)
+
+        traced = compiler.disable(eager)
+
+        def hook(*args: Any) -> Any:
+            if is_compiling():
+                return traced(*args)
+            return fn(*args)
+
+        return hook
 
     def _make_wgrad(self, lid: int, pname: str):
         s = self.session
