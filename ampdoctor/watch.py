@@ -181,7 +181,11 @@ class Watch:
         recorded (they would return at once, but a module with any hook takes PyTorch's slower
         call path), and put them back, in their places, before a recorded step. Not under
         torch.compile: dynamo guards on the hook dicts and would recompile at each change."""
-        if asleep == (self._asleep is not None) or self._removed or self._compiled:
+        if self._removed:
+            return
+        if self._compiled:
+            asleep = False  # compiled (maybe seen only now): awake for good
+        if asleep == (self._asleep is not None):
             return
         if asleep:
             self._asleep = []
