@@ -40,6 +40,7 @@ from _models import Encoder  # noqa: E402
 
 import ampdoctor  # noqa: E402
 from ampdoctor import stats as _stats  # noqa: E402
+from ampdoctor.watch import Watch  # noqa: E402
 
 
 def fake_backend(tensors, fmt):
@@ -91,6 +92,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="also a cProfile of --steps steps with every=1")
     p.add_argument("--profile-top", type=int, default=30)
     p.add_argument("--gc-steps", type=int, default=0, help="also count garbage collections over this many steps")
+    p.add_argument("--not-recorded", action="store_true",
+                   help="only steps that are not recorded (every=100000), hooks asleep (as shipped) against awake")
     args = p.parse_args()
     torch.set_num_threads(1)
     _stats.set_backend(fake_backend)
@@ -109,6 +112,17 @@ def main() -> None:
 
     configs = [Config("baseline"), hooks_only(model), watch_config("every=1", model, 1),
                watch_config("every=10", model, 10)]
+    if args.not_recorded:  # the first recorded step falls in each round's untimed warm-up step
+        shipped = Watch.sleep
+
+        def awake() -> None:
+            Watch.sleep = lambda self, asleep: None
+
+        def restore() -> None:
+            Watch.sleep = shipped
+
+        configs = [Config("baseline"), watch_config("not recorded, hooks asleep", model, 100_000),
+                   watch_config("not recorded, hooks awake", model, 100_000, before=awake, after=restore)]
     print(f"# ampdoctor host overhead (fake statistics backend)  {time.strftime('%Y-%m-%d')}  "
           f"torch {torch.__version__}  Python {platform.python_version()}  "
           f"{platform.processor() or platform.machine()}, 1 thread")
