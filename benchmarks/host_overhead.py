@@ -80,6 +80,33 @@ def gc_report(step, model: torch.nn.Module, steps: int, *, watched: bool) -> str
     return f"{ms:.2f} ms/step;  {gens}"
 
 
+def _ablations() -> list:
+    """(what is switched off, switch off, switch back on): parts of a recorded step's bookkeeping.
+    Not ampdoctor configurations: they record less (or write nothing) and only show the cost."""
+    import importlib
+    session_mod = importlib.import_module("ampdoctor.session")
+    trace_mod = importlib.import_module("ampdoctor.trace")
+    out = []
+
+    def patch(obj, name, make):
+        saved = getattr(obj, name)
+        return (lambda: setattr(obj, name, make(saved))), (lambda: setattr(obj, name, saved))
+
+    out.append(("no trace rows inserted", *patch(trace_mod.TraceWriter, "add_stats", lambda f: lambda self, rows: None)))
+    out.append(("no trace rows built or inserted", *patch(session_mod, "_trace_rows", lambda f: lambda step, meta, rows: [])))
+    out.append(("no gradient hooks", *patch(Watch, "_grad_work", lambda f: lambda self, t, entries: None)))
+    out.append(("no weights", *patch(Watch, "record_weights", lambda f: lambda self: None)))
+
+    def no_attribution(f):
+        def reset(self):
+            f(self)
+            self.attributing = False
+        return reset
+
+    out.append(("no first-non-finite attribution", *patch(session_mod.Session, "_reset_step", no_attribution)))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=7)
@@ -92,6 +119,8 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="also a cProfile of --steps steps with every=1")
     p.add_argument("--profile-top", type=int, default=30)
     p.add_argument("--gc-steps", type=int, default=0, help="also count garbage collections over this many steps")
+    p.add_argument("--ablate", action="store_true",
+                   help="every=1 with one part of the bookkeeping switched off at a time (where the time goes)")
     p.add_argument("--not-recorded", action="store_true",
                    help="only steps that are not recorded (every=100000), hooks asleep (as shipped) against awake")
     args = p.parse_args()
@@ -123,6 +152,9 @@ def main() -> None:
 
         configs = [Config("baseline"), watch_config("not recorded, hooks asleep", model, 100_000),
                    watch_config("not recorded, hooks awake", model, 100_000, before=awake, after=restore)]
+    if args.ablate:
+        configs = [Config("baseline"), watch_config("every=1", model, 1)] + [
+            watch_config(f"every=1, {what}", model, 1, before=on, after=off) for what, on, off in _ablations()]
     print(f"# ampdoctor host overhead (fake statistics backend)  {time.strftime('%Y-%m-%d')}  "
           f"torch {torch.__version__}  Python {platform.python_version()}  "
           f"{platform.processor() or platform.machine()}, 1 thread")
