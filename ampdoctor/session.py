@@ -8,7 +8,6 @@ tensors here; :meth:`Session.end_step` reads them all with one host transfer.
 from __future__ import annotations
 
 import atexit
-import itertools
 import logging
 import math
 import os
@@ -28,7 +27,7 @@ from .formats import Format, get_format
 from .hostcopy import HostCopy as _HostCopy
 from .rows import RowPolicy, StepRows
 from .steps import StepTracker
-from .trace import TraceWriter, hist_blob
+from .trace import TraceWriter
 
 log = logging.getLogger(__name__)
 
@@ -377,7 +376,7 @@ class Session:
         decision = None
         step = self._pending_scalars[-1][0]
         if recorded and row_meta:
-            self.writer.add_stats(_trace_rows(step, row_meta, host_rows))
+            self.writer.add_stat_rows(step, row_meta, host_rows, _stats.N_FIELDS)
         if recorded:
             self._attribute(step, row_meta, host_rows, flag_meta, host_flags)
         for (s, sc), vals in zip(self._pending_scalars, host_scalars):
@@ -657,24 +656,6 @@ def _bad_rows(table: np.ndarray, dropped: set | None = None) -> list[bool]:
     if dropped:
         bad[list(dropped)] = False
     return bad.tolist()
-
-
-def _trace_rows(step: int, row_meta: list, host_rows: np.ndarray) -> list[tuple]:
-    """The trace's stats rows, built column-wise (hundreds of rows a step): the same values as
-    ``int()``/``float()``/:func:`~ampdoctor.trace.hist_blob` per row."""
-    n = _stats.N_FIELDS
-    count = len(row_meta)
-    ints = host_rows[:, [1, 2, 3, 4, 9, 10, 11]].astype(np.int64).T.tolist()
-    floats = host_rows[:, 5:9].T.tolist()
-    hists = np.ascontiguousarray(host_rows[:, n:]).astype("<i8")
-    width = hists.shape[1] * 8
-    if width:
-        raw = hists.tobytes()
-        blobs = [raw[o:o + width] for o in range(0, count * width, width)]
-    else:  # pragma: no cover - every format has histogram bins
-        blobs = [hist_blob(h) for h in hists]
-    return list(zip(itertools.repeat(step, count), *zip(*row_meta), ints[0], ints[1], ints[2], ints[3],
-                    floats[0], floats[1], floats[2], floats[3], ints[4], ints[5], ints[6], blobs))
 
 
 _CURRENT: Session | None = None

@@ -15,6 +15,7 @@ import os
 import queue
 import sqlite3
 import threading
+import weakref
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
@@ -50,6 +51,7 @@ CREATE TABLE IF NOT EXISTS events (
 
 _STOP = object()
 _STATS_INSERT = "INSERT INTO stats VALUES"  # rows go in by many-row statements (see _insert_rows)
+_STAT_ROWS = "stat rows"  # queue items of raw rows (TraceWriter.add_stat_rows)
 _CHUNK_ROWS = 512
 
 
@@ -71,6 +73,25 @@ def _insert_rows(con: sqlite3.Connection, table_sql: str, ncols: int, rows: list
         con.execute(sql, tuple(itertools.chain.from_iterable(chunk)))
 
 
+def stat_rows(step: int, row_meta: Sequence, host_rows: np.ndarray, n_fields: int) -> list[tuple]:
+    """The trace's stats rows of one step, built column-wise (hundreds of rows a step): ``row_meta``
+    gives (layer, kind, slot, call, dtype, numel, bytes) per row, ``host_rows`` the statistics (the
+    first ``n_fields`` columns, then the histogram); the same values as ``int()``/``float()``/
+    :func:`hist_blob` per row."""
+    count = len(row_meta)
+    ints = host_rows[:, [1, 2, 3, 4, 9, 10, 11]].astype(np.int64).T.tolist()
+    floats = host_rows[:, 5:9].T.tolist()
+    hists = np.ascontiguousarray(host_rows[:, n_fields:]).astype("<i8")
+    width = hists.shape[1] * 8
+    if width:
+        raw = hists.tobytes()
+        blobs = [raw[o:o + width] for o in range(0, count * width, width)]
+    else:  # pragma: no cover - every format has histogram bins
+        blobs = [hist_blob(h) for h in hists]
+    return list(zip(itertools.repeat(step, count), *zip(*row_meta), ints[0], ints[1], ints[2], ints[3],
+                    floats[0], floats[1], floats[2], floats[3], ints[4], ints[5], ints[6], blobs))
+
+
 def _connect(path: str | os.PathLike) -> sqlite3.Connection:
     con = sqlite3.connect(str(path), timeout=30, check_same_thread=False)
     con.execute("PRAGMA journal_mode=WAL")
@@ -78,9 +99,68 @@ def _connect(path: str | os.PathLike) -> sqlite3.Connection:
     return con
 
 
+WRITER_ENV = "AMPDOCTOR_TRACE_WRITER"  # "process" (default) or "thread"
+_CHILD = Path(__file__).with_name("_trace_child.py")
+
+
+def _start_child(path: Path) -> Any:
+    """The writer process (``_trace_child.py``, no torch), or None where it cannot start."""
+    import subprocess
+    import sys
+    try:
+        return subprocess.Popen([sys.executable, str(_CHILD), str(path), str(Path(__file__))],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
+    except Exception as e:  # no interpreter to start, no fork allowed: the thread writes
+        log.info("ampdoctor trace: no writer process (%s: %s); writing from a thread", type(e).__name__, e)
+        return None
+
+
+_LIVE: weakref.WeakSet[TraceWriter] = weakref.WeakSet()
+
+
+def _forget_in_forked_child() -> None:
+    """In a process forked from the training process (a DataLoader worker): drop its copy of the
+    pipe to the writer process, without writing anything, so that the pipe still ends when the
+    training process closes it."""
+    for w in list(_LIVE):
+        child, w._child = w._child, None
+        w._closed = True
+        if child is not None:
+            try:
+                os.close(child.stdin.fileno())
+            except Exception:  # pragma: no cover
+                pass
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_forked_child)
+
+
+def _jsonable(v: Any) -> Any:
+    """Row values JSON does not carry: blobs as {"$b": hex} (the writer process turns them back),
+    numpy scalars as Python numbers."""
+    if isinstance(v, (bytes, bytearray, memoryview)):
+        return {"$b": bytes(v).hex()}
+    if isinstance(v, np.generic):
+        return v.item()
+    raise TypeError(f"{type(v).__name__} is not a trace value")
+
+
+def _message(kind: bytes, payload: bytes) -> bytes:
+    return len(payload).to_bytes(4, "little") + kind + payload
+
+
 class TraceWriter:
     """Appends to a trace from a background thread. All public methods are cheap and never block
-    on disk; :meth:`commit` marks a durable point (one per step), :meth:`close` drains and joins."""
+    on disk; :meth:`commit` marks a durable point (one per step), :meth:`close` drains and joins.
+
+    By default the SQLite work runs in a separate process (``_trace_child.py``) that the thread
+    feeds through a pipe: statistics go as raw float64 rows, so the training process neither
+    builds nor binds the ~10K values of a step's rows (SQLite binds them holding the GIL, and
+    every torch op of the training thread then waits for it). The process commits what it has
+    and exits when the pipe closes, so it also keeps what a killed training process sent. Where
+    it cannot start (``AMPDOCTOR_TRACE_WRITER=thread``, or no subprocess), or if it dies, the
+    thread writes itself."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -94,6 +174,9 @@ class TraceWriter:
         self._closed = False
         self._dirty = False  # rows queued since the last commit marker
         self._error: BaseException | None = None
+        self._child = _start_child(self.path) if os.environ.get(WRITER_ENV, "process") != "thread" else None
+        if self._child is not None:
+            _LIVE.add(self)
         self._thread = threading.Thread(target=self._loop, name="ampdoctor-trace-writer", daemon=True)
         self._thread.start()
         atexit.register(self.close)
@@ -108,6 +191,13 @@ class TraceWriter:
 
     def add_stats(self, rows: Iterable[Sequence]) -> None:
         self._put(_STATS_INSERT, list(rows))
+
+    def add_stat_rows(self, step: int, row_meta: Sequence, host_rows: np.ndarray, n_fields: int) -> None:
+        """A step's statistics rows (see :func:`stat_rows`), built by whoever writes them."""
+        if self._child is None:
+            self.add_stats(stat_rows(step, row_meta, host_rows, n_fields))
+        elif len(row_meta):
+            self._put(_STAT_ROWS, [(step, list(row_meta), np.ascontiguousarray(host_rows, dtype=np.float64), n_fields)])
 
     def add_step(self, row: Sequence) -> None:
         row = list(row)
@@ -156,16 +246,22 @@ class TraceWriter:
 
     # -- consumer thread -------------------------------------------------------------------
     def _loop(self) -> None:
-        try:
-            con = _connect(self.path)
-        except BaseException as e:  # pragma: no cover
-            self._error = e
-            return
+        con = None
         pending = 0
         stats_sql: dict[int, str] = {}
         try:
             while True:
                 item = self._q.get()
+                if self._child is not None:
+                    try:
+                        if self._feed(item):
+                            break
+                        continue
+                    except (OSError, ValueError) as e:  # the process died: write from here on
+                        log.warning("ampdoctor trace: the writer process stopped (%s); writing from a thread", e)
+                        self._child = None
+                if con is None:
+                    con = _connect(self.path)
                 if item is _STOP:
                     break
                 if isinstance(item, threading.Event):
@@ -180,7 +276,10 @@ class TraceWriter:
                     continue
                 sql, rows = item
                 try:
-                    if sql is _STATS_INSERT:
+                    if sql is _STAT_ROWS:
+                        for step, meta, host, nf in rows:
+                            _insert_rows(con, _STATS_INSERT, len(STAT_COLUMNS), stat_rows(step, meta, host, nf), stats_sql)
+                    elif sql is _STATS_INSERT:
                         _insert_rows(con, sql, len(STAT_COLUMNS), rows, stats_sql)
                     else:
                         con.executemany(sql, rows)
@@ -188,15 +287,62 @@ class TraceWriter:
                 except sqlite3.Error as e:
                     self._error = e
                     log.warning("ampdoctor trace: %s", e)
-            con.commit()
         except BaseException as e:  # pragma: no cover
             self._error = e
         finally:
-            try:
-                con.commit()
-                con.close()
-            except Exception:
+            if con is not None:
+                try:
+                    con.commit()
+                    con.close()
+                except Exception:
+                    pass
+            self._end_child()
+
+    def _feed(self, item: Any) -> bool:
+        """Send one queue item to the writer process; True at the end."""
+        child = self._child
+        w = child.stdin
+        if item is _STOP:
+            self._end_child()
+            return True
+        if isinstance(item, threading.Event):
+            w.write(_message(b"F", b""))
+            w.flush()
+            if child.stdout.readline() != b"ok\n":  # it committed everything before
+                raise OSError("no answer from the writer process")
+            item.set()
+            return False
+        if item is None:
+            msg = _message(b"C", b"")
+        else:
+            sql, rows = item
+            if sql is _STAT_ROWS:
+                msg = b"".join(_message(b"S", json.dumps({"step": step, "meta": meta, "n": host.shape[0],
+                                                          "w": host.shape[1], "nf": nf}).encode() + b"\n" + host.tobytes())
+                               for step, meta, host, nf in rows)
+            else:
+                msg = _message(b"Q", json.dumps({"sql": sql, "rows": rows}, default=_jsonable).encode())
+        w.write(msg)
+        w.flush()  # a process that died fails this item, which the thread then writes
+        return False
+
+    def _end_child(self) -> None:
+        child, self._child = self._child, None
+        if child is None:
+            return
+        try:
+            try:  # "stop" (processes forked meanwhile may still hold the pipe: no end of input yet)
+                child.stdin.write(_message(b"X", b""))
+                child.stdin.flush()
+            except OSError:
                 pass
+            child.stdin.close()
+            child.wait(30)
+            child.stdout.close()
+        except Exception as e:  # pragma: no cover
+            log.warning("ampdoctor trace: the writer process did not finish: %s", e)
+        if child.returncode:
+            log.warning("ampdoctor trace: the writer process exited with status %s", child.returncode)
 
 
 def hist_blob(counts: Sequence[float] | np.ndarray) -> bytes:

@@ -80,6 +80,21 @@ def gc_report(step, model: torch.nn.Module, steps: int, *, watched: bool) -> str
     return f"{ms:.2f} ms/step;  {gens}"
 
 
+def _writer_thread():
+    """(switch the trace writer to its in-thread mode, switch back)."""
+    import importlib
+    trace_mod = importlib.import_module("ampdoctor.trace")
+    saved = os.environ.get(trace_mod.WRITER_ENV)
+
+    def restore() -> None:
+        if saved is None:
+            os.environ.pop(trace_mod.WRITER_ENV, None)
+        else:
+            os.environ[trace_mod.WRITER_ENV] = saved
+
+    return (lambda: os.environ.__setitem__(trace_mod.WRITER_ENV, "thread")), restore
+
+
 def _ablations() -> list:
     """(what is switched off, switch off, switch back on): parts of a recorded step's bookkeeping.
     Not ampdoctor configurations: they record less (or write nothing) and only show the cost."""
@@ -92,8 +107,9 @@ def _ablations() -> list:
         saved = getattr(obj, name)
         return (lambda: setattr(obj, name, make(saved))), (lambda: setattr(obj, name, saved))
 
-    out.append(("no trace rows inserted", *patch(trace_mod.TraceWriter, "add_stats", lambda f: lambda self, rows: None)))
-    out.append(("no trace rows built or inserted", *patch(session_mod, "_trace_rows", lambda f: lambda step, meta, rows: [])))
+    out.append(("trace written from a thread (before)", *_writer_thread()))
+    out.append(("no trace rows written", *patch(trace_mod.TraceWriter, "add_stat_rows",
+                                                lambda f: lambda self, step, meta, rows, nf: None)))
     out.append(("no gradient hooks", *patch(Watch, "_grad_work", lambda f: lambda self, t, entries: None)))
     out.append(("no weights", *patch(Watch, "record_weights", lambda f: lambda self: None)))
 
@@ -121,6 +137,8 @@ def main() -> None:
     p.add_argument("--gc-steps", type=int, default=0, help="also count garbage collections over this many steps")
     p.add_argument("--ablate", action="store_true",
                    help="every=1 with one part of the bookkeeping switched off at a time (where the time goes)")
+    p.add_argument("--writer", action="store_true",
+                   help="every=1 with the trace written by the writer process (as shipped) against from a thread")
     p.add_argument("--not-recorded", action="store_true",
                    help="only steps that are not recorded (every=100000), hooks asleep (as shipped) against awake")
     args = p.parse_args()
@@ -152,6 +170,10 @@ def main() -> None:
 
         configs = [Config("baseline"), watch_config("not recorded, hooks asleep", model, 100_000),
                    watch_config("not recorded, hooks awake", model, 100_000, before=awake, after=restore)]
+    if args.writer:
+        on, off = _writer_thread()
+        configs = [Config("baseline"), watch_config("every=1, writer process", model, 1),
+                   watch_config("every=1, writer thread", model, 1, before=on, after=off)]
     if args.ablate:
         configs = [Config("baseline"), watch_config("every=1", model, 1)] + [
             watch_config(f"every=1, {what}", model, 1, before=on, after=off) for what, on, off in _ablations()]

@@ -1,0 +1,99 @@
+"""The trace's writer process (see ``ampdoctor.trace.TraceWriter``): reads messages from stdin and
+writes them to the SQLite trace, so that the training process does no SQLite work. No torch, and
+the ampdoctor package is not imported (``trace.py`` is loaded from its path): it starts in a
+fraction of a second.
+
+Usage: python _trace_child.py TRACE.sqlite PATH/TO/ampdoctor/trace.py
+
+Messages: 4-byte little-endian payload length, a kind byte, the payload.
+  S  statistics rows: a JSON header line {step, meta, n, w, nf}, then n * w raw float64
+  Q  JSON {sql, rows}: rows for an ``executemany`` (blobs as {"$b": hex})
+  C  commit
+  F  commit, then answer "ok" on stdout
+  X  stop: commit and exit
+End of input (the training process closed the pipe, or died): commit and exit. Interrupts are
+ignored: a Ctrl-C in the terminal reaches this process too, and what it holds must be written.
+"""
+
+import sys
+
+# run as a script, this file's folder (the ampdoctor package) comes first on sys.path, where its
+# modules (trace, bisect, ...) would shadow the standard library's for everything imported below
+if sys.path and sys.path[0] and __file__.startswith(sys.path[0]):
+    del sys.path[0]
+
+import importlib.util  # noqa: E402
+import json  # noqa: E402
+import signal  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+
+def _read(stream, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        part = stream.read(n - len(buf))
+        if not part:
+            return buf
+        buf += part
+    return buf
+
+
+def _blob(d: dict):
+    return bytes.fromhex(d["$b"]) if len(d) == 1 and "$b" in d else d
+
+
+def main(db: str, trace_py: str) -> int:
+    for sig in (signal.SIGINT, getattr(signal, "SIGTERM", None)):
+        if sig is not None:
+            signal.signal(sig, signal.SIG_IGN)
+    spec = importlib.util.spec_from_file_location("_ampdoctor_trace_child", trace_py)
+    trace = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(trace)
+    con = trace._connect(db)
+    inp, out = sys.stdin.buffer, sys.stdout.buffer
+    ncols = len(trace.STAT_COLUMNS)
+    cache: dict = {}
+    status = 0
+    try:
+        while True:
+            head = _read(inp, 5)
+            if len(head) < 5:
+                break
+            size, kind = int.from_bytes(head[:4], "little"), head[4:5]
+            payload = _read(inp, size)
+            if len(payload) < size:
+                break  # the sender died mid-message: keep what came whole
+            try:
+                if kind == b"S":
+                    line, raw = payload.split(b"\n", 1)
+                    h = json.loads(line)
+                    rows = np.frombuffer(raw, dtype=np.float64).reshape(h["n"], h["w"])
+                    meta = [tuple(m) for m in h["meta"]]
+                    trace._insert_rows(con, trace._STATS_INSERT, ncols, trace.stat_rows(h["step"], meta, rows, h["nf"]), cache)
+                elif kind == b"Q":
+                    q = json.loads(payload, object_hook=_blob)
+                    rows = [tuple(r) for r in q["rows"]]
+                    if q["sql"] == trace._STATS_INSERT:
+                        trace._insert_rows(con, q["sql"], ncols, rows, cache)
+                    else:
+                        con.executemany(q["sql"], rows)
+                elif kind == b"C":
+                    con.commit()
+                elif kind == b"F":
+                    con.commit()
+                    out.write(b"ok\n")
+                    out.flush()
+                elif kind == b"X":
+                    break
+            except Exception as e:  # a bad row must not lose the rest
+                status = 1
+                print(f"ampdoctor trace writer: {type(e).__name__}: {e}", file=sys.stderr)
+    finally:
+        con.commit()
+        con.close()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2]))

@@ -1,0 +1,119 @@
+"""The trace writer: the writer process (default) and the in-thread writer give the same trace;
+a writer process that cannot start or dies leaves the thread writing, nothing lost after it."""
+
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+import torch
+from helpers import train
+from torch import nn
+
+import ampdoctor
+from ampdoctor import trace as trace_mod
+from ampdoctor.trace import TraceReader, TraceWriter, stat_rows
+
+
+def _record(path, monkeypatch, mode):
+    monkeypatch.setenv(trace_mod.WRITER_ENV, mode)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(inplace=True), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 1))
+    with ampdoctor.watch(model, trace=str(path)):
+        torch.manual_seed(1)
+        train(model, 3)
+    r = TraceReader(path)
+    stats = sorted((tuple(s[c] for c in trace_mod.STAT_COLUMNS if c != "hist"), s["hist"].tolist()) for s in r.stats(with_hist=True))
+    steps = [tuple(s.values()) for s in r.steps()]
+    events = [(e["step"], e["kind"], e["layer"]) for e in r.events()]
+    layers = sorted(tuple(v.values()) for v in r.layers())
+    return stats, [s[:-1] for s in steps], events, layers, r.meta()["status"]
+
+
+def test_process_and_thread_writers_write_the_same_trace(tmp_path, monkeypatch):
+    got = _record(tmp_path / "p.sqlite", monkeypatch, "process")
+    ref = _record(tmp_path / "t.sqlite", monkeypatch, "thread")
+    assert got == ref
+    assert len(got[0]) > 30 and got[4] == "finished"
+
+
+def _rows(n, width, seed):
+    g = np.random.default_rng(seed)
+    host = g.normal(size=(n, width))
+    host[:, :5] = g.integers(0, 100, size=(n, 5))
+    host[:, 9:] = g.integers(0, 1000, size=(n, width - 9))
+    meta = [(i, "activation", "out", 0, "float16", 10, 20) for i in range(n)]
+    return meta, host
+
+
+def test_raw_rows_round_trip_and_flush(tmp_path):
+    w = TraceWriter(tmp_path / "t.sqlite")
+    assert w._child is not None  # the default: a writer process
+    meta, host = _rows(7, 12 + 42, 0)
+    w.add_stat_rows(3, meta, host, 12)
+    w.add_stats([(4, 0, "weight", "w", 0, "float32", 1, 4, 0, 0, 0, 0, -1.0, 2.0, 2.0, 0.5, 0, 0, 0,
+                  np.arange(3, dtype="<i8").tobytes())])
+    w.add_step((3, float("nan"), float("inf"), 1, 2, 1, 0.0))
+    w.commit()
+    w.flush()  # returns once the process committed: readable now, before close()
+    r = TraceReader(tmp_path / "t.sqlite")
+    got = sorted(tuple(s[c] for c in trace_mod.STAT_COLUMNS if c != "hist") + (s["hist"].tolist(),) for s in r.stats(with_hist=True))
+    want = sorted(row[:-1] + (np.frombuffer(row[-1], dtype="<i8").tolist(),) for row in stat_rows(3, meta, host, 12))
+    want.append((4, 0, "weight", "w", 0, "float32", 1, 4, 0, 0, 0, 0, -1.0, 2.0, 2.0, 0.5, 0, 0, 0, [0, 1, 2]))
+    assert got == sorted(want)
+    assert r.steps()[0]["scale"] == float("inf")
+    w.close()
+    assert w._child is None
+
+
+def test_no_writer_process_the_thread_writes(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))
+    w = TraceWriter(tmp_path / "t.sqlite")
+    assert w._child is None
+    meta, host = _rows(3, 20, 1)
+    w.add_stat_rows(0, meta, host, 12)
+    w.close()
+    assert len(TraceReader(tmp_path / "t.sqlite").stats()) == 3
+
+
+@pytest.mark.parametrize("when", ["at start", "midway"])
+def test_writer_process_that_dies_leaves_the_thread_writing(tmp_path, when):
+    w = TraceWriter(tmp_path / "t.sqlite")
+    meta, host = _rows(4, 20, 2)
+    if when == "midway":
+        w.add_stat_rows(0, meta, host, 12)
+        w.commit()
+        w.flush()
+    w._child.kill()
+    w._child.wait()
+    w.add_stat_rows(1, meta, host, 12)
+    w.commit()
+    w.close()
+    steps = [s["step"] for s in TraceReader(tmp_path / "t.sqlite").stats()]
+    assert steps.count(1) == 4 and steps.count(0) == (4 if when == "midway" else 0)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_process_neither_writes_nor_keeps_the_writer_waiting(tmp_path):
+    """A DataLoader worker forked from the training process holds a copy of everything: it must not
+    write to the trace, and the trace must close while it still runs."""
+    w = TraceWriter(tmp_path / "t.sqlite")
+    meta, host = _rows(2, 20, 3)
+    pid = os.fork()
+    if pid == 0:  # the forked "worker"
+        try:
+            w.add_stat_rows(9, meta, host, 12)  # dropped: the fork has no writer
+            w.commit()
+            time.sleep(4)
+        finally:
+            os._exit(0)
+    try:
+        t0 = time.perf_counter()
+        w.add_stat_rows(0, meta, host, 12)
+        w.close()
+        took = time.perf_counter() - t0
+    finally:
+        os.waitpid(pid, 0)
+    assert took < 3
+    assert [s["step"] for s in TraceReader(tmp_path / "t.sqlite").stats()] == [0, 0]
