@@ -5,7 +5,8 @@ fraction of a second.
 
 Usage: python _trace_child.py TRACE.sqlite PATH/TO/ampdoctor/trace.py
 
-Messages: 4-byte little-endian payload length, a kind byte, the payload.
+It answers "ready" on stdout once it can write. Messages: 4-byte little-endian payload length, a
+kind byte, the payload.
   S  statistics rows: a JSON header line {step, meta, n, w, nf}, then n * w raw float64
   Q  JSON {sql, rows}: rows for an ``executemany`` (blobs as {"$b": hex})
   C  commit
@@ -52,6 +53,8 @@ def main(db: str, trace_py: str) -> int:
     spec.loader.exec_module(trace)
     con = trace._connect(db)
     inp, out = sys.stdin.buffer, sys.stdout.buffer
+    out.write(b"ready\n")  # the sender waits for this before it sends anything
+    out.flush()
     ncols = len(trace.STAT_COLUMNS)
     cache: dict = {}
     status = 0

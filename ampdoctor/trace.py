@@ -136,6 +136,24 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_in_forked_child)
 
 
+_READY_TIMEOUT = 20.0  # seconds the writer process has to say it is ready
+
+
+def _ready(child: Any) -> bool:
+    """Whether the writer process said it is ready (it could import and open the trace): nothing
+    is sent before, so nothing is lost to a process that could not start."""
+    try:
+        import select
+        if not select.select([child.stdout], [], [], _READY_TIMEOUT)[0]:
+            return False
+    except (ImportError, OSError, ValueError):  # no select on pipes (Windows): a blocking read
+        pass
+    try:
+        return child.stdout.readline() == b"ready\n"
+    except OSError:  # pragma: no cover
+        return False
+
+
 def _jsonable(v: Any) -> Any:
     """Row values JSON does not carry: blobs as {"$b": hex} (the writer process turns them back),
     numpy scalars as Python numbers."""
@@ -249,6 +267,14 @@ class TraceWriter:
         con = None
         pending = 0
         stats_sql: dict[int, str] = {}
+        if self._child is not None and not _ready(self._child):
+            log.info("ampdoctor trace: the writer process did not start; writing from a thread")
+            child, self._child = self._child, None
+            try:
+                child.kill()
+                child.wait(5)
+            except Exception:  # pragma: no cover
+                pass
         try:
             while True:
                 item = self._q.get()

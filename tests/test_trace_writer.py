@@ -117,3 +117,20 @@ def test_a_forked_process_neither_writes_nor_keeps_the_writer_waiting(tmp_path):
         os.waitpid(pid, 0)
     assert took < 3
     assert [s["step"] for s in TraceReader(tmp_path / "t.sqlite").stats()] == [0, 0]
+
+
+@pytest.mark.parametrize("script", ["import sys; sys.exit(3)", "import time; time.sleep(60)"])
+def test_a_writer_process_that_never_gets_ready_loses_nothing(tmp_path, monkeypatch, script):
+    """A child that dies at start (say numpy cannot be imported there) or hangs: nothing was sent to
+    it before its "ready", so the thread writes everything, the first rows included."""
+    bad = tmp_path / "child.py"
+    bad.write_text(script + "\n")
+    monkeypatch.setattr(trace_mod, "_CHILD", bad)
+    monkeypatch.setattr(trace_mod, "_READY_TIMEOUT", 1.0)
+    w = TraceWriter(tmp_path / "t.sqlite")
+    w.set_meta(status="running")
+    meta, host = _rows(3, 20, 4)
+    w.add_stat_rows(0, meta, host, 12)
+    w.close()
+    r = TraceReader(tmp_path / "t.sqlite")
+    assert len(r.stats()) == 3 and r.meta()["status"] == "running"
