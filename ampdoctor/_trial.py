@@ -44,11 +44,21 @@ def main(argv: list[str] | None = None) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and data.get("status") == "stopped":
+        if data["rank"] != 0:  # rank 0 speaks for the run: let it write its result before torchrun stops it
+            _wait_for(os.environ["AMPDOCTOR_TRIAL_RESULT"].replace("{rank}", "0"), RANK0_GRACE)
         return STOPPED_UNDER_TORCHRUN  # non-zero: torchrun then stops the other ranks too
     return 0
 
 
+def _wait_for(path: str, seconds: float) -> None:
+    import time
+    end = time.monotonic() + seconds
+    while not os.path.exists(path) and time.monotonic() < end:
+        time.sleep(0.05)
+
+
 STOPPED_UNDER_TORCHRUN = 75
+RANK0_GRACE = 3.0  # seconds a rank that stopped first waits for rank 0's result
 
 if __name__ == "__main__":
     # os._exit: skip interpreter teardown of the user's objects (atexit already ran in run_script's close)

@@ -57,6 +57,23 @@ def test_missing_script_is_usage_error(tmp_path):
     assert p.returncode == 2 and "script not found" in p.stderr
 
 
+def test_torchrun_trial_whose_rank0_was_stopped_takes_the_deciding_rank(tmp_path):
+    """Under torchrun a rank that decides ends the others (exit status 75): when rank 0 was stopped
+    before it wrote its result, the rank that stopped the run speaks for it (not "the trial process
+    died")."""
+    r = TrialRunner(str(SCRIPTS / "raises.py"), [], tmp_path, oracle={}, timeout=60)
+    folder = tmp_path / "t"
+    folder.mkdir()
+    (folder / "result.rank1.json").write_text(json.dumps({
+        "status": "stopped", "exit_code": 0, "error": None, "traceback": None, "steps": 6, "trained": True,
+        "decision": {"outcome": "fail", "step": 4, "reason": "nonfinite_loss"}, "rank": 1}))
+    t = r._classify({"folder": folder, "index": 1, "name": "x", "fp32": []}, 1, False, 1.0)
+    assert t.outcome == "fail" and t.step == 4 and t.reason == "nonfinite_loss", t
+    (folder / "result.rank1.json").unlink()
+    t = r._classify({"folder": folder, "index": 1, "name": "x", "fp32": []}, 1, False, 1.0)
+    assert t.outcome == "error" and "died" in t.error
+
+
 def test_trial_classification(tmp_path):
     r = TrialRunner(str(SCRIPTS / "raises_on_nan.py"), [], tmp_path, oracle={}, timeout=60)
     t = r.run("nan-raise", [], pass_after=None)

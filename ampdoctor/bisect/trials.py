@@ -155,6 +155,9 @@ class TrialRunner:
         result_file = folder / "result.json"
         if not result_file.exists() and (folder / "result.rank0.json").exists():
             result_file = folder / "result.rank0.json"  # under torchrun rank 0 speaks for the run
+        elif not result_file.exists():  # rank 0 was stopped by torchrun after another rank decided
+            result_file = next((p for p in sorted(folder.glob("result.rank*.json"))
+                                if json.loads(p.read_text()).get("status") == "stopped"), result_file)
         data = json.loads(result_file.read_text()) if result_file.exists() else None
         last_loss_bad, steps = _trace_tail(folder / "trace.sqlite")
         if timed_out:
