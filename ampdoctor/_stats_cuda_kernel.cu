@@ -149,6 +149,16 @@ DEV void fast_el(u32 bits, float& vmin, float& vmax, u32& vabs, u32& vnzm1, u32&
     HIST_ADD(h, code);
 }
 
+// The element(s) of one 32-bit word of a 16-byte vector: one fp32, or two 16-bit halves.
+DEV void fast_vword(u32 w, float& vmin, float& vmax, u32& vabs, u32& vnzm1, u32& emax, u32* h) {
+#if DT == 2
+    fast_el(w, vmin, vmax, vabs, vnzm1, emax, h);
+#else
+    fast_el(w & 0xFFFFu, vmin, vmax, vabs, vnzm1, emax, h);
+    fast_el(w >> 16, vmin, vmax, vabs, vnzm1, emax, h);
+#endif
+}
+
 #if PACKED
 // Two fp16 elements (one 32-bit word), fast path. min/max per half with NaN propagated: a chunk
 // holding NaN or Inf shows it in mn/mx and is measured again (stage1), so nothing else checks.
@@ -311,27 +321,13 @@ extern "C" __global__ void stage1(const Table table, int m, int g0, int g1, int 
         uint4 q1 = vp[v + nt];
         u32 w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
 #pragma unroll
-        for (int k = 0; k < 8; ++k) {
-#if DT == 2
-            fast_el(w[k], vmin, vmax, vabs, vnzm1, emax, h);
-#else
-            fast_el(w[k] & 0xFFFFu, vmin, vmax, vabs, vnzm1, emax, h);
-            fast_el(w[k] >> 16, vmin, vmax, vabs, vnzm1, emax, h);
-#endif
-        }
+        for (int k = 0; k < 8; ++k) fast_vword(w[k], vmin, vmax, vabs, vnzm1, emax, h);
     }
     for (; v < nvec; v += nt) {
         uint4 q0 = vp[v];
         u32 w[4] = {q0.x, q0.y, q0.z, q0.w};
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-#if DT == 2
-            fast_el(w[k], vmin, vmax, vabs, vnzm1, emax, h);
-#else
-            fast_el(w[k] & 0xFFFFu, vmin, vmax, vabs, vnzm1, emax, h);
-            fast_el(w[k] >> 16, vmin, vmax, vabs, vnzm1, emax, h);
-#endif
-        }
+        for (int k = 0; k < 4; ++k) fast_vword(w[k], vmin, vmax, vabs, vnzm1, emax, h);
     }
     for (i64 i = s + nvec * VEC + tid; i < e; i += nt) {
         fast_el((u32)base[i], vmin, vmax, vabs, vnzm1, emax, h);

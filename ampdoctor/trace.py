@@ -211,10 +211,9 @@ class TraceWriter:
         self._put(_STATS_INSERT, list(rows))
 
     def add_stat_rows(self, step: int, row_meta: Sequence, host_rows: np.ndarray, n_fields: int) -> None:
-        """A step's statistics rows (see :func:`stat_rows`), built by whoever writes them."""
-        if self._child is None:
-            self.add_stats(stat_rows(step, row_meta, host_rows, n_fields))
-        elif len(row_meta):
+        """A step's statistics rows (see :func:`stat_rows`), built by whoever writes them: the
+        writer process, or the writer thread, not the caller."""
+        if len(row_meta):
             self._put(_STAT_ROWS, [(step, list(row_meta), np.ascontiguousarray(host_rows, dtype=np.float64), n_fields)])
 
     def add_step(self, row: Sequence) -> None:
