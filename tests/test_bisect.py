@@ -16,8 +16,8 @@ SCRIPTS = Path(__file__).parent / "scripts"
 EXPECTED = json.loads((FIXTURES / "EXPECTED.json").read_text()) if (FIXTURES / "EXPECTED.json").exists() else {}
 
 
-def bisect(*args, timeout=600):
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+def bisect(*args, timeout=600, **env_extra):
+    env = dict(os.environ, PYTHONUNBUFFERED="1", **env_extra)
     env.pop("AMPDOCTOR_CONFIG", None)
     return subprocess.run([sys.executable, "-m", "ampdoctor", "bisect", *map(str, args)], capture_output=True,
                           text=True, cwd=ROOT, env=env, timeout=timeout)
@@ -130,6 +130,19 @@ def test_bisect_through_torchrun(tmp_path):
     p = bisect("--out", tmp_path / "b", "--json", tmp_path / "r.json", "--nproc-per-node", "2", SCRIPTS / "ddp_overflow.py")
     res = json.loads((tmp_path / "r.json").read_text())
     assert res["verdict"] == "culprit" and res["culprits"] == ["2"], p.stdout + p.stderr
+
+
+@pytest.mark.cuda
+def test_bisect_through_torchrun_nccl(tmp_path):
+    """DDP on two GPUs with NCCL: each trial is a torchrun of two ranks, one GPU each."""
+    import torch
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    p = bisect("--out", tmp_path / "b", "--json", tmp_path / "r.json", "--nproc-per-node", "2", SCRIPTS / "ddp_overflow.py",
+               DDP_DEVICE="cuda")
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["verdict"] == "culprit" and res["culprits"] == ["2"], p.stdout + p.stderr
+    assert res["first_nonfinite"]["layer"] == "2", res
 
 
 def test_jobs_and_repeat(tmp_path):

@@ -107,9 +107,14 @@ def test_run_format_option(tmp_path, fmt):
 
 
 @pytest.mark.slow
-def test_run_under_torchrun_one_trace_per_rank(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_run_under_torchrun_one_trace_per_rank(tmp_path, device):
+    if device == "cuda":
+        import torch
+        if torch.cuda.device_count() < 2:
+            pytest.skip("needs 2 GPUs (DDP with NCCL, one GPU per rank)")
     out = tmp_path / "ddp"
-    env_steps = dict(os.environ, STEPS="12")
+    env_steps = dict(os.environ, STEPS="12", DDP_DEVICE=device)
     p = subprocess.run([sys.executable, "-m", "ampdoctor", "run", "--out", str(out), "--nproc-per-node", "2",
                         str(SCRIPTS / "ddp_overflow.py")], capture_output=True, text=True, cwd=ROOT, env=env_steps,
                        timeout=300)
