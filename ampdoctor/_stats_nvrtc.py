@@ -20,6 +20,7 @@ import math
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from .formats import Format
@@ -183,38 +184,59 @@ def _accumulators(dev: torch.device, stream: torch.cuda.Stream, width: int) -> t
     return acc
 
 
-def run(views: Sequence[torch.Tensor], rows: Sequence[int], fmt: Format, out: torch.Tensor) -> None:
+def tables(numel: Sequence[int], ptr: Sequence[int], rows: Sequence[int], kinds: Sequence[int]) -> list[np.ndarray]:
+    """The launch tables of tensors given by their element counts, addresses, output rows and
+    dtype kinds, MAXT tensors a table (numpy, one pass for all: no Python loop per tensor).
+    Layout: addresses, element counts, first chunk of each tensor plus the total (MAXT + 1),
+    chunk lengths, rows, kinds."""
+    n = np.asarray(numel, dtype=np.int64)
+    nchunk = np.clip(-(-n // MIN_CHUNK), 1, MAX_CHUNKS)
+    clen = np.maximum(-(-n // (nchunk * ALIGN)) * ALIGN, ALIGN)
+    nch = -(-n // clen)  # as chunking(), per tensor
+    cols = (np.asarray(ptr, dtype=np.int64), n, clen, np.asarray(rows, dtype=np.int64),
+            np.asarray(kinds, dtype=np.int64))
+    out = []
+    for lo in range(0, len(n), MAXT):
+        hi = min(lo + MAXT, len(n))
+        m = hi - lo
+        t = np.zeros(6 * MAXT + 1, dtype=np.int64)
+        t[:m] = cols[0][lo:hi]
+        t[MAXT:MAXT + m] = n[lo:hi]
+        np.cumsum(nch[lo:hi], out=t[2 * MAXT + 1:2 * MAXT + 1 + m])
+        t[3 * MAXT + 1:3 * MAXT + 1 + m] = clen[lo:hi]
+        t[4 * MAXT + 1:4 * MAXT + 1 + m] = cols[3][lo:hi]
+        t[5 * MAXT + 1:5 * MAXT + 1 + m] = cols[4][lo:hi]
+        out.append(t)
+    return out
+
+
+def run(views: Sequence[torch.Tensor], rows: Sequence[int], fmt: Format, out: torch.Tensor,
+        numel: Sequence[int] | None = None, ptr: Sequence[int] | None = None) -> None:
     """Write the rows of ``views`` (contiguous, 16-byte aligned fp16/bf16/fp32 tensors on
     ``out``'s device, grouped by dtype) into ``out[rows]``. Per MAXT tensors: a stage-1 launch per
-    dtype and one stage-2 launch, the tensor table passed by value. No host sync, no copy."""
+    dtype and one stage-2 launch, the tensor table passed by value. No host sync, no copy.
+    ``numel``/``ptr``: the views' element counts and addresses, where the caller has them."""
     dev = out.device
     stream = torch.cuda.current_stream(dev)
     acc = _accumulators(dev, stream, hist_width(fmt) + 4)
     k2 = _kernel("stage2", torch.float16, fmt, dev)
     width = out.shape[1]
-    for lo in range(0, len(views), MAXT):
-        part = views[lo:lo + MAXT]
-        m = len(part)
-        table = _Table()
-        c = 0
-        for i, (v, r) in enumerate(zip(part, rows[lo:lo + MAXT])):
-            n = v.numel()
-            clen, nch = chunking(n)
-            table[i] = v.data_ptr()
-            table[MAXT + i] = n
-            table[2 * MAXT + i] = c
-            table[3 * MAXT + 1 + i] = clen
-            table[4 * MAXT + 1 + i] = r
-            table[5 * MAXT + 1 + i] = KINDS[v.dtype][0]
-            c += nch
-        table[2 * MAXT + m] = c
+    dtypes = [v.dtype for v in views]
+    if numel is None:
+        numel = [v.numel() for v in views]
+    if ptr is None:
+        ptr = [v.data_ptr() for v in views]
+    kinds = [KINDS[dt][0] for dt in dtypes]
+    for lo, t in zip(range(0, len(views), MAXT), tables(numel, ptr, rows, kinds)):
+        m = min(MAXT, len(views) - lo)
+        table = _Table.from_buffer(t)
         g0 = 0
         while g0 < m:
             g1 = g0 + 1
-            while g1 < m and part[g1].dtype == part[g0].dtype:
+            while g1 < m and dtypes[lo + g1] == dtypes[lo + g0]:
                 g1 += 1
-            c0, c1 = table[2 * MAXT + g0], table[2 * MAXT + g1]
+            c0, c1 = int(t[2 * MAXT + g0]), int(t[2 * MAXT + g1])
             if c1 > c0:
-                _kernel("stage1", part[g0].dtype, fmt, dev)(c1 - c0, NT, (table, m, g0, g1, c0, acc), stream)
+                _kernel("stage1", dtypes[lo + g0], fmt, dev)(c1 - c0, NT, (table, m, g0, g1, c0, acc), stream)
             g0 = g1
         k2(m, NT2, (table, m, acc, out, width), stream)

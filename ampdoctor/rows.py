@@ -149,14 +149,12 @@ class StepRows:
             pass
         dev = t.device
         if dev not in self._devices:
-            self._devices.add(dev)
-            if dev.type == "cuda":
-                self.policy.cuda_seen()
+            self._see_device(dev)
         pol = self.policy
         measured = False
         if EAGER or not pol.calibrated or key in pol.volatile:
             try:
-                self.blocks.append((_stats.batch_stats([t.detach()], pol.fmt), [slot]))
+                self.blocks.append((_stats.batch_stats([t], pol.fmt), [slot]))
             except Exception:
                 self.dropped.add(slot)
                 raise
@@ -171,6 +169,28 @@ class StepRows:
             else:
                 self.flush()
         return slot
+
+    def _see_device(self, dev: torch.device) -> None:
+        self._devices.add(dev)
+        if dev.type == "cuda":
+            self.policy.cuda_seen()
+
+    def add_now(self, metas: Sequence[tuple], tensors: Sequence[torch.Tensor]) -> None:
+        """Rows ``metas`` of ``tensors``, each in a slot of its own, measured now with the tensors
+        waiting in the batch (one launch per device): for tensors that nothing else asks for this
+        step (weights, weight gradients), read where they must be, at a flush point."""
+        if not tensors:
+            return
+        start = self.n_slots
+        self.n_slots += len(tensors)
+        pending = self._pending
+        for slot, t in enumerate(tensors, start):
+            if t.device not in self._devices:
+                self._see_device(t.device)
+            pending.append((slot, t, t._version, None, False))
+        self.meta.extend(metas)
+        self.slots.extend(range(start, self.n_slots))
+        self.flush()
 
     def add_row(self, meta: tuple, t: torch.Tensor, key: Hashable) -> None:
         """A statistics row ``meta`` (whose last field is ``t``'s size in bytes) measuring ``t``."""
@@ -217,18 +237,23 @@ class StepRows:
             group = by_dev.get(t.device)
             if group is None:
                 group = by_dev[t.device] = ([], [])
-            group[0].append(t.detach())
+            group[0].append(t)  # batch_stats reads it without building a graph: no detach here
             group[1].append(slot)
         for ts, ss in by_dev.values():
-            try:
-                self.blocks.append((_stats.batch_stats(ts, pol.fmt), ss))
-            except Exception as e:  # one odd tensor must not cost the batch: measure one by one
-                log.info("ampdoctor: batched statistics failed (%s: %s); measuring one by one", type(e).__name__, e)
-                for t, slot in zip(ts, ss):
-                    try:
-                        self.blocks.append((_stats.batch_stats([t], pol.fmt), [slot]))
-                    except Exception:
-                        self.dropped.add(slot)
+            self._measure(ts, ss)
+
+    def _measure(self, ts: list[torch.Tensor], ss: list[int]) -> None:
+        """One batch of tensors (one device) into a block of rows for slots ``ss``."""
+        fmt = self.policy.fmt
+        try:
+            self.blocks.append((_stats.batch_stats(ts, fmt), ss))
+        except Exception as e:  # one odd tensor must not cost the batch: measure one by one
+            log.info("ampdoctor: batched statistics failed (%s: %s); measuring one by one", type(e).__name__, e)
+            for t, slot in zip(ts, ss):
+                try:
+                    self.blocks.append((_stats.batch_stats([t], fmt), [slot]))
+                except Exception:
+                    self.dropped.add(slot)
 
     def finish(self) -> None:
         """The step's last flush: measure what waits, forget rows that could not be measured."""

@@ -211,6 +211,29 @@ class Session:
         except Exception as e:  # never break the user's training because of a statistic
             self.note_layer(lid, f"could not record {kind} {slot}: {type(e).__name__}: {e}")
 
+    def add_weights(self, params: list[tuple[int, str, torch.Tensor]]) -> None:
+        """Rows of the weights ``(lid, name, parameter)`` as they are now, measured together at once
+        (one launch per device on CUDA): they are alive anyway and nothing else asks for them."""
+        if self.closed:
+            return
+        metas, ts = [], []
+        for lid, pname, p in params:
+            if p.is_floating_point():
+                n = p.numel()
+                metas.append((lid, "weight", pname, 0, _dtype_name(p.dtype), n, n * p.element_size()))
+                ts.append(p)
+        self.add_rows_now(metas, ts)
+
+    def add_rows_now(self, metas: list[tuple], ts: list[torch.Tensor]) -> None:
+        """Rows ``metas`` of ``ts`` measured together now (see :meth:`StepRows.add_now`)."""
+        if self.closed or not ts:
+            return
+        self._active = True
+        try:
+            self._rows.add_now(metas, ts)
+        except Exception as e:  # pragma: no cover - never break the user's training for a statistic
+            log.warning("ampdoctor: could not record %d %s rows: %s: %s", len(ts), metas[0][1], type(e).__name__, e)
+
     def add_flag(self, lid: int, call: int, phase: str, flag: Any) -> None:
         """Did this module's inputs/outputs/gradients hold NaN/Inf: a device bool, or the row
         slots of the tensors concerned (:meth:`flag_slots`; no kernel, no sync)."""
@@ -257,8 +280,13 @@ class Session:
         except Exception as e:  # pragma: no cover - never break training for a statistic
             log.warning("ampdoctor: could not measure a batch of tensors: %s: %s", type(e).__name__, e)
 
+    def _backward_started(self, grad: torch.Tensor) -> None:
+        self._queue_backward_flush()
+
     def _queue_backward_flush(self) -> None:
         # Once per backward pass: flush when it ends, before anything changes gradients in place.
+        if self.closed or not self.recording:
+            return
         try:
             task = torch._C._current_graph_task_id()
         except Exception:  # pragma: no cover - older torch: the step boundary flushes instead
@@ -270,6 +298,8 @@ class Session:
 
         def at_backward_end() -> None:
             if rows is self._rows:
+                for w in self.watches:
+                    w.record_weight_grads()
                 self.flush_rows()
 
         torch.autograd.Variable._execution_engine.queue_callback(at_backward_end)
@@ -282,6 +312,11 @@ class Session:
     # -- what the step tracker reports -----------------------------------------------------
     def on_backward(self, tensors: Any) -> None:
         self._active = True
+        if self.recording:  # the weight gradients are read where this backward pass ends
+            for t in tensors if isinstance(tensors, (tuple, list)) else (tensors,):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._backward_started)
+                    break
         if self._scaled_loss_seen:
             return
         t = tensors[0] if isinstance(tensors, (tuple, list)) and len(tensors) == 1 else tensors
@@ -364,6 +399,8 @@ class Session:
         self.writer.commit()
         for w in self.watches:  # the next step's hooks: only a recorded step needs them
             w.sleep(not self.recording)
+            if self.recording:
+                w.snapshot_grads()
         if decision is not None:
             raise StopRun(decision.reason or decision.outcome, decision)
         if self.config.max_steps is not None and self.step >= self.config.max_steps:

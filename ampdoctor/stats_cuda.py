@@ -216,20 +216,32 @@ def fused_batch_stats(tensors: Sequence[torch.Tensor], fmt: Format, *, _allow_cp
     groups: dict[torch.dtype, list[int]] = {}
     other: list[int] = []
     views: list[torch.Tensor | None] = [None] * n
-    for i, t in enumerate(tensors):
-        x = t.detach()
-        if x.dtype not in kinds or x.numel() > _MAX_NUMEL:
+    numel = [0] * n
+    ptr = [0] * n
+    for i, t in enumerate(tensors):  # the hot loop of a flush: a few attribute reads a tensor
+        dt = t.dtype
+        k = t.numel()
+        if dt not in kinds or k > _MAX_NUMEL:
             other.append(i)
             continue
-        if not x.is_contiguous():
-            x = x.contiguous()
-        if x.numel() and x.data_ptr() % 16:
-            x = x.clone()  # keep every pointer 16-byte aligned (one kernel specialisation)
-        views[i] = x
-        groups.setdefault(x.dtype, []).append(i)
+        a = t.data_ptr()
+        if a % 16 or not t.is_contiguous():
+            t = t.detach().contiguous()
+            a = t.data_ptr()
+            if k and a % 16:
+                t = t.clone()  # keep every pointer 16-byte aligned (one kernel specialisation)
+                a = t.data_ptr()
+        views[i] = t
+        numel[i] = k
+        ptr[i] = a
+        g = groups.get(dt)
+        if g is None:
+            groups[dt] = [i]
+        else:
+            g.append(i)
     if groups and which == "nvrtc":
         order = [i for g in groups.values() for i in g]
-        _stats_nvrtc.run([views[i] for i in order], order, fmt, out)
+        _stats_nvrtc.run([views[i] for i in order], order, fmt, out, [numel[i] for i in order], [ptr[i] for i in order])
         groups = {}
     kern = _kernels() if groups else None
     if groups:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .session import Session, get_session
+from .session import Session, _dtype_name, get_session
 from .tensors import floating, iter_tensors
 
 log = logging.getLogger(__name__)
@@ -47,6 +47,7 @@ def unwrap_model(model: nn.Module) -> tuple[nn.Module, list[str]]:
 
 
 _graph_task_id = torch._C._current_graph_task_id
+_weakref = weakref.ref
 _Tensor = torch.Tensor
 _strided = torch.strided
 
@@ -132,7 +133,6 @@ class Watch:
         self._removed = False
         self._fp32 = None
         self._stack: dict[int, list] = {}
-        self._param_hooks_were_none: list[tuple[nn.Parameter, bool]] = []
         self._sleepers: list[Any] = []  # handles of the hooks that only work on recorded steps
         self._asleep: list[tuple[Any, Any, Any, list]] | None = None  # (dict, key, hook, keys after it)
         root, notes = unwrap_model(model)
@@ -141,6 +141,7 @@ class Watch:
         for n in notes:
             session.note(n)
         self._attach(root, all_modules)
+        self.snapshot_grads()
         session.attach(self)
         self.sleep(not session.recording)
         if session.config.force_fp32:
@@ -171,9 +172,7 @@ class Watch:
                         continue  # tied weights: counted once, with their first owner
                     seen_params.add(id(p))
                     self._params.append((lid, pname, p))
-                    if p.requires_grad and hasattr(p, "register_post_accumulate_grad_hook"):
-                        self._param_hooks_were_none.append((p, getattr(p, "_post_accumulate_grad_hooks", None) is None))
-                        self._sleepers.append(p.register_post_accumulate_grad_hook(self._make_wgrad(lid, pname)))
+        self._grads_seen = [None] * len(self._params)
         self._handles.extend(self._sleepers)
 
     def sleep(self, asleep: bool) -> None:
@@ -338,27 +337,46 @@ class Watch:
 
         return hook
 
-    def _make_wgrad(self, lid: int, pname: str):
-        s = self.session
+    def snapshot_grads(self) -> None:
+        """Remember each parameter's ``.grad`` as it is now (the object and its ``_version``), so
+        that :meth:`record_weight_grads` knows which gradients a backward pass has changed since."""
+        if self._removed:
+            return
+        seen = self._grads_seen
+        for i, (_, _, p) in enumerate(self._params):
+            g = p.grad
+            seen[i] = None if g is None else (_weakref(g), g._version)
 
-        def hook(p: torch.Tensor) -> None:
-            if self._removed or s.closed or not s.recording:
-                return
-            grad = p.grad
-            if grad is None:
-                return
-            s._active = True
-            s.add_stats(lid, "weight_grad", pname, 0, grad)
-
-        return hook
+    def record_weight_grads(self) -> None:
+        """Rows of the weight gradients accumulated since the last look (a new ``.grad``, or one
+        changed in place), measured together: called where each backward pass ends, before anything
+        (``GradScaler.unscale_``, clipping, the next micro-batch) changes them in place. One pass over
+        the parameters instead of a post-accumulate-grad hook per parameter."""
+        if self._removed:
+            return
+        seen = self._grads_seen
+        metas, ts = [], []
+        for i, (lid, pname, p) in enumerate(self._params):
+            g = p.grad
+            if g is None:
+                seen[i] = None
+                continue
+            last = seen[i]
+            ver = g._version
+            if last is not None and last[1] == ver and last[0]() is g:
+                continue
+            seen[i] = (_weakref(g), ver)
+            if g.is_floating_point() and g.layout == _strided:
+                n = g.numel()
+                metas.append((lid, "weight_grad", pname, 0, _dtype_name(g.dtype), n, n * g.element_size()))
+                ts.append(g)
+        if ts:
+            self.session.add_rows_now(metas, ts)
 
     def record_weights(self) -> None:
         """Weights after the optimizer step (called at the step boundary)."""
-        if self._removed:
-            return
-        for lid, pname, p in self._params:
-            if p.is_floating_point():
-                self.session.add_stats(lid, "weight", pname, 0, p)
+        if not self._removed:
+            self.session.add_weights(self._params)
 
     def _force(self, names: list[str]) -> None:
         from .precision import force_fp32
@@ -379,10 +397,6 @@ class Watch:
             h.remove()
         self._handles.clear()
         self._sleepers.clear()
-        for p, was_none in self._param_hooks_were_none:
-            if was_none and not getattr(p, "_post_accumulate_grad_hooks", None):
-                p._post_accumulate_grad_hooks = None  # exactly as before, not an empty dict
-        self._param_hooks_were_none.clear()
         if self._fp32 is not None:
             self._fp32.remove()
             self._fp32 = None

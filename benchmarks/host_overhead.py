@@ -16,6 +16,7 @@ the recorder's allocations bring on, barely show in the table; ``--gc-steps N`` 
 collections of N steps in a row with every=1 (and without a watch) and the time spent in them.
 
 Run:  python benchmarks/host_overhead.py [--rounds 7] [--steps 20] [--profile] [--gc-steps 600]
+      python benchmarks/host_overhead.py --ab REV   # this tree against git revision REV, in one process
 """
 
 from __future__ import annotations
@@ -123,6 +124,29 @@ def _ablations() -> list:
     return out
 
 
+def import_revision(rev: str):
+    """The package as it was at git revision ``rev``, imported beside this tree's as
+    ``ampdoctor_ab`` (its imports are relative), for an A/B in one process."""
+    import importlib
+    import subprocess
+    root = Path(__file__).resolve().parent.parent
+    d = Path(tempfile.mkdtemp(prefix="ampdoctor-ab-"))
+    archive = subprocess.run(["git", "archive", rev, "ampdoctor"], cwd=root, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(d)], input=archive, check=True)
+    (d / "ampdoctor").rename(d / "ampdoctor_ab")
+    sys.path.insert(0, str(d))
+    return importlib.import_module("ampdoctor_ab")
+
+
+def revision_config(name: str, pkg, model, every: int) -> Config:
+    """``watch_config`` for another copy of the package (see :func:`import_revision`)."""
+    def setup():
+        w = pkg.watch(model, every=every, trace=str(Path(tempfile.mkdtemp(prefix="ampdoctor-bench-")) / "t.sqlite"))
+        return w.remove
+
+    return Config(name, setup)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=7)
@@ -141,9 +165,15 @@ def main() -> None:
                    help="every=1 with the trace written by the writer process (as shipped) against from a thread")
     p.add_argument("--not-recorded", action="store_true",
                    help="only steps that are not recorded (every=100000), hooks asleep (as shipped) against awake")
+    p.add_argument("--ab", metavar="REV", default=None,
+                   help="every=1 and every=10 of this tree against the package at git revision REV, side by side")
     args = p.parse_args()
     torch.set_num_threads(1)
     _stats.set_backend(fake_backend)
+    old = None
+    if args.ab:
+        old = import_revision(args.ab)
+        old.stats.set_backend(fake_backend)
 
     torch.manual_seed(0)
     model = Encoder(vocab=args.vocab, d=args.d, layers=args.layers, heads=2, ffn=2 * args.d, max_len=args.seq)
@@ -174,6 +204,9 @@ def main() -> None:
         on, off = _writer_thread()
         configs = [Config("baseline"), watch_config("every=1, writer process", model, 1),
                    watch_config("every=1, writer thread", model, 1, before=on, after=off)]
+    if old is not None:
+        configs = [Config("baseline"), watch_config("every=1", model, 1), revision_config(f"every=1 at {args.ab}", old, model, 1),
+                   watch_config("every=10", model, 10), revision_config(f"every=10 at {args.ab}", old, model, 10)]
     if args.ablate:
         configs = [Config("baseline"), watch_config("every=1", model, 1)] + [
             watch_config(f"every=1, {what}", model, 1, before=on, after=off) for what, on, off in _ablations()]

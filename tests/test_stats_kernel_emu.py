@@ -82,3 +82,28 @@ def test_emulated_kernel_rows_equal_torch_path(build, dtype, fmt):
         bad = np.nonzero(got != ref)[0].tolist()
         assert not bad, (i, t.numel(), [(stats.FIELDS[j] if j < stats.N_FIELDS else f"bin{j - stats.N_FIELDS}",
                                         got[j], ref[j]) for j in bad[:8]])
+
+
+def test_launch_tables_match_per_tensor_chunking():
+    """The launch tables built in one numpy pass hold, per tensor, what ``chunking`` gives it, and
+    the chunk offsets add up, across table boundaries (MAXT tensors a table)."""
+    rng = np.random.default_rng(0)
+    m = 2 * _stats_nvrtc.MAXT + 5
+    numel = rng.choice([0, 1, 1023, 1024, 1025, 1 << 16, (1 << 16) + 1, 3 << 20, 1 << 31], size=m)
+    ptr = rng.integers(1, 1 << 40, size=m) * 16
+    rows = rng.permutation(m)
+    kinds = rng.integers(0, 3, size=m)
+    got = _stats_nvrtc.tables(numel.tolist(), ptr.tolist(), rows.tolist(), kinds.tolist())
+    T = _stats_nvrtc.MAXT
+    assert len(got) == 3
+    for j, t in enumerate(got):
+        lo = j * T
+        part = range(lo, min(lo + T, m))
+        c = 0
+        for i, k in enumerate(part):
+            clen, nch = _stats_nvrtc.chunking(int(numel[k]))
+            assert (t[i], t[T + i], t[2 * T + i], t[3 * T + 1 + i], t[4 * T + 1 + i], t[5 * T + 1 + i]) == (
+                ptr[k], numel[k], c, clen, rows[k], kinds[k])
+            c += nch
+        assert t[2 * T + len(part)] == c
+        assert not t[len(part):T].any()  # unused entries stay zero
