@@ -48,6 +48,35 @@ def watch_config(name: str, model, every: int, *, before=None, after=None, steps
     return Config(name, setup, steps=steps)
 
 
+def import_revision(rev: str):
+    """The package as it was at git revision ``rev`` (or the copy in folder ``rev``/ampdoctor, for
+    a machine without the repository's history), imported beside this tree's as ``ampdoctor_ab``
+    (its imports are relative), for an A/B in one process."""
+    import importlib
+    import shutil
+    import subprocess
+    import sys
+    root = Path(__file__).resolve().parent.parent
+    d = Path(tempfile.mkdtemp(prefix="ampdoctor-ab-"))
+    if (Path(rev) / "ampdoctor").is_dir():
+        shutil.copytree(Path(rev) / "ampdoctor", d / "ampdoctor")
+    else:
+        archive = subprocess.run(["git", "archive", rev, "ampdoctor"], cwd=root, check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(d)], input=archive, check=True)
+    (d / "ampdoctor").rename(d / "ampdoctor_ab")
+    sys.path.insert(0, str(d))
+    return importlib.import_module("ampdoctor_ab")
+
+
+def revision_config(name: str, pkg, model, every: int) -> Config:
+    """``watch_config`` for another copy of the package (see :func:`import_revision`)."""
+    def setup():
+        w = pkg.watch(model, every=every, trace=str(Path(tempfile.mkdtemp(prefix="ampdoctor-bench-")) / "t.sqlite"))
+        return w.remove
+
+    return Config(name, setup)
+
+
 def run_interleaved(step: Callable[[], None], configs: list[Config], *, rounds: int, steps: int,
                     warmup: int = 1, sync: Callable[[], None] = lambda: None,
                     peak: tuple[Callable[[], None], Callable[[], int]] | None = None,

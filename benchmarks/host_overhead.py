@@ -36,7 +36,15 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import Config, hooks_only, run_interleaved, table, watch_config  # noqa: E402
+from _harness import (  # noqa: E402
+    Config,
+    hooks_only,
+    import_revision,
+    revision_config,
+    run_interleaved,
+    table,
+    watch_config,
+)
 from _models import Encoder  # noqa: E402
 
 import ampdoctor  # noqa: E402
@@ -122,29 +130,6 @@ def _ablations() -> list:
 
     out.append(("no first-non-finite attribution", *patch(session_mod.Session, "_reset_step", no_attribution)))
     return out
-
-
-def import_revision(rev: str):
-    """The package as it was at git revision ``rev``, imported beside this tree's as
-    ``ampdoctor_ab`` (its imports are relative), for an A/B in one process."""
-    import importlib
-    import subprocess
-    root = Path(__file__).resolve().parent.parent
-    d = Path(tempfile.mkdtemp(prefix="ampdoctor-ab-"))
-    archive = subprocess.run(["git", "archive", rev, "ampdoctor"], cwd=root, check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(d)], input=archive, check=True)
-    (d / "ampdoctor").rename(d / "ampdoctor_ab")
-    sys.path.insert(0, str(d))
-    return importlib.import_module("ampdoctor_ab")
-
-
-def revision_config(name: str, pkg, model, every: int) -> Config:
-    """``watch_config`` for another copy of the package (see :func:`import_revision`)."""
-    def setup():
-        w = pkg.watch(model, every=every, trace=str(Path(tempfile.mkdtemp(prefix="ampdoctor-bench-")) / "t.sqlite"))
-        return w.remove
-
-    return Config(name, setup)
 
 
 def main() -> None:

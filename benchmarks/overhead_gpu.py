@@ -14,6 +14,7 @@ import cProfile
 import io
 import os
 import pstats
+import statistics
 import sys
 import time
 import warnings
@@ -22,7 +23,16 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _harness import Config, cuda_ms_per_call, hooks_only, run_interleaved, table, watch_config  # noqa: E402
+from _harness import (  # noqa: E402
+    Config,
+    cuda_ms_per_call,
+    hooks_only,
+    import_revision,
+    revision_config,
+    run_interleaved,
+    table,
+    watch_config,
+)
 from _models import Encoder  # noqa: E402
 
 import ampdoctor  # noqa: E402
@@ -56,14 +66,52 @@ def build(batch: int, seq: int):
     scaler = torch.amp.GradScaler("cuda")
 
     def step() -> None:
+        t0 = time.perf_counter()
         with torch.autocast("cuda", dtype=torch.float16):
             loss = loss_fn()
         opt.zero_grad(set_to_none=True)
+        t1 = time.perf_counter()
         scaler.scale(loss).backward()
+        t2 = time.perf_counter()
         scaler.step(opt)
+        t3 = time.perf_counter()
         scaler.update()
+        if PHASES is not None:
+            PHASES.append((t0, t1, t2, t3, time.perf_counter()))
 
     return model, step, desc
+
+
+PHASES: list | None = None  # (start, forward done, backward done, optimizer step done, update done) per step
+
+
+def phase_times(step, configs: list[Config], rounds: int, steps: int) -> str:
+    """Host wall time of each phase of a step, median over ``rounds`` x ``steps`` steps per
+    configuration (interleaved). At B=32 the host runs behind the GPU, so forward and backward
+    are the host's own time; the optimizer step holds GradScaler's one sync (waiting for the GPU)."""
+    global PHASES
+    got: dict[str, list] = {c.name: [] for c in configs}
+    for r in range(rounds):
+        for c in configs[r % len(configs):] + configs[:r % len(configs)]:
+            td = c.setup() if c.setup else None
+            try:
+                step()
+                torch.cuda.synchronize()
+                PHASES = []
+                for _ in range(steps):
+                    step()
+                torch.cuda.synchronize()
+                got[c.name] += PHASES
+            finally:
+                PHASES = None
+                if td:
+                    td()
+    lines = ["| config | forward ms | backward ms | optimizer step ms | update ms | step ms |", "|---|---|---|---|---|---|"]
+    for name, ts in got.items():
+        cols = [statistics.median((t[i + 1] - t[i]) * 1e3 for t in ts) for i in range(4)]
+        total = statistics.median((t[4] - t[0]) * 1e3 for t in ts)
+        lines.append(f"| {name} | " + " | ".join(f"{v:.2f}" for v in cols) + f" | {total:.2f} |")
+    return "\n".join(lines)
 
 
 def hf_debug_config(model, steps):
@@ -244,8 +292,13 @@ def main() -> None:
     p.add_argument("--kernel", action="store_true", help="also time the statistics kernel alone")
     p.add_argument("--floors", action="store_true",
                    help="also the reference floors: hooks that only append, and hooks that read each tensor once")
+    p.add_argument("--ab", metavar="REV", default=None,
+                   help="also every=1 and every=10 of the package at git revision REV, imported side by side")
+    p.add_argument("--phases", type=int, default=0, metavar="STEPS",
+                   help="also the host time of each phase of a step (forward, backward, optimizer step, update)")
     args = p.parse_args()
     warnings.filterwarnings("ignore", message=".*[Aa]nomaly.*")
+    old = import_revision(args.ab) if args.ab else None
 
     regimes = [tuple(int(v) for v in r.split("x")) for r in args.regimes.split(",")]
     steps = [int(v) for v in args.steps.split(",")]
@@ -261,6 +314,9 @@ def main() -> None:
               f"AdamW; {args.rounds} rounds x {k} steps (slow tools {args.slow_steps})", flush=True)
         configs = [Config("baseline"), watch_config("ampdoctor every=1", model, 1),
                    watch_config("ampdoctor every=10", model, 10)]
+        if old is not None:
+            configs += [revision_config(f"every=1 at {args.ab}", old, model, 1),
+                        revision_config(f"every=10 at {args.ab}", old, model, 10)]
         if args.floors:
             configs += [hooks_only(model), hooks_only(model, read=True)]
         if args.ablations:
@@ -286,6 +342,10 @@ def main() -> None:
             if c.name.startswith(("baseline", "ampdoctor")):
                 res[c.name].extra.update(count_syncs(step, c, args.sync_steps))
         print(table(res, extra_cols=("syncs/step", "DtoH/step", "sync warnings/step", "launches/step")), flush=True)
+        if args.phases:
+            print(f"\n### host time per phase ({args.phases} steps x 3 rounds, medians)")
+            print(phase_times(step, [c for c in configs if c.name.startswith(("baseline", "ampdoctor", "every=", "hooks"))],
+                              3, args.phases), flush=True)
         if args.profile:
             profile_every(step, model, 5, args.profile, f"{batch}x{seq}")
             profile_every(step, model, 20, args.profile, f"{batch}x{seq}_every10", every=10)
