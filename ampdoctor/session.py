@@ -189,14 +189,6 @@ class Session:
             self._exec_counter += 1
             self.writer.add_layers([(lid, layer.name, layer.type, layer.ord, int(layer.is_leaf), layer.parent)])
 
-    def next_call(self, lid: int) -> int:
-        self._active = True
-        if self.layers[lid].ord is None:
-            self.mark_order(lid)
-        c = self._calls.get(lid, 0)
-        self._calls[lid] = c + 1
-        return c
-
     def add_stats(self, lid: int, kind: str, slot: str, call: int, t: torch.Tensor) -> None:
         """Statistics of ``t`` into this step's batch (measured at the next flush point, see
         :mod:`ampdoctor.rows`; no host sync)."""
@@ -254,21 +246,6 @@ class Session:
         except Exception as e:  # pragma: no cover - as add_stats
             self.note_layer(lid, f"could not check {phase} for NaN/Inf: {type(e).__name__}: {e}")
             return None
-
-    def grad_flag(self, lid: int, call: int, phase: str, grad: torch.Tensor) -> None:
-        """``add_flag(lid, call, phase, flag_slots(lid, phase, [grad]))`` for a non-empty gradient
-        (``phase`` "gin" or "gout") in one call: the backward pass asks for hundreds a step."""
-        if self.closed:
-            return
-        self._queue_backward_flush()
-        try:
-            flag = self._rows.flag_slots((grad,), (lid, "flag", phase))
-        except Exception as e:  # pragma: no cover - as flag_slots
-            self.note_layer(lid, f"could not check {phase} for NaN/Inf: {type(e).__name__}: {e}")
-            return
-        if flag is not None:
-            self._flags.append(flag)
-            self._flag_meta.append((lid, call, phase))
 
     def flush_rows(self) -> None:
         """A flush point: measure the tensors waiting in this step's batch now (launches only).

@@ -1,9 +1,10 @@
-"""``watch(model)``: forward hooks, output-gradient tensor hooks and post-accumulate-grad hooks
-that feed a :class:`~ampdoctor.session.Session`. No hook syncs with the GPU.
+"""``watch(model)``: forward hooks and output-gradient tensor hooks that feed a
+:class:`~ampdoctor.session.Session`. No hook syncs with the GPU.
 
 Activation gradients come from a tensor hook registered on each output inside the forward hook
-(not ``register_full_backward_hook``: slow, and it breaks in-place ops); weight gradients from
-``register_post_accumulate_grad_hook``; weights are read at the step boundary.
+(not ``register_full_backward_hook``: slow, and it breaks in-place ops). Weight gradients are read
+where each backward pass ends (an autograd final callback), all in one batch: those whose ``.grad``
+is new or changed since the last look (no hook per parameter). Weights are read at the step boundary.
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ def unwrap_model(model: nn.Module) -> tuple[nn.Module, list[str]]:
 
 
 _graph_task_id = torch._C._current_graph_task_id
+_compiler = getattr(torch, "compiler", None)
+_disable = getattr(_compiler, "disable", None)
+_is_compiling = getattr(_compiler, "is_compiling", None) or (lambda: False)
 _weakref = weakref.ref
 _Tensor = torch.Tensor
 _strided = torch.strided
@@ -101,17 +105,27 @@ class _GradWork(list):
         s = w.session
         if w._removed or s.closed or grad is None:
             return
-        numel = None
-        for is_flag, lid, name, call in self:
-            if is_flag:
-                if not s.attributing:
-                    continue
-                if numel is None:
-                    numel = grad.numel()
-                if numel:
-                    s.grad_flag(lid, call, name, grad)
-            else:
-                s.add_stats(lid, "gradient", name, call, grad)
+        try:
+            s._queue_backward_flush()
+            rows = s._rows
+            n = grad.numel()
+            slot = -1  # one slot for every entry: the same tensor, unchanged within this call
+            for is_flag, lid, name, call in self:
+                if is_flag:  # Session.add_flag(.., flag_slots(..)), inline (hundreds a step)
+                    if not n or not s.attributing:
+                        continue
+                    if slot < 0:
+                        slot = rows.slot_of(grad, ((lid, "flag", name), 0))
+                    s._flags.append((slot,))
+                    s._flag_meta.append((lid, call, name))
+                else:  # Session.add_stats, inline
+                    nbytes = n * grad.element_size()
+                    if slot < 0:
+                        slot = rows.slot_of(grad, (lid, "gradient", name), nbytes)
+                    rows.meta.append((lid, "gradient", name, call, _dtype_name(grad.dtype), n, nbytes))
+                    rows.slots.append(slot)
+        except Exception as e:  # never break the user's backward because of a statistic
+            s.note_layer(self[0][1], f"could not record a gradient: {type(e).__name__}: {e}")
 
 
 def _nonfinite_flag(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -162,7 +176,7 @@ class Watch:
             lid = s.new_layer(full, type(mod).__name__, is_leaf, parent)
             ids[id(mod)] = lid
             stats = all_modules or is_leaf or has_own_params
-            self._sleepers.append(mod.register_forward_pre_hook(self._make_pre(lid)))
+            self._sleepers.append(mod.register_forward_pre_hook(self._make_pre(lid, _inplace(mod))))
             self._sleepers.append(mod.register_forward_hook(self._make_post(lid, stats), always_call=False))
             if name == "" and s.config.oracle is not None:
                 self._handles.append(mod.register_forward_hook(self._root_output_check()))
@@ -213,61 +227,100 @@ class Watch:
         work.watch = self
         t.register_hook(work)
 
-    def _make_pre(self, lid: int):
+    def _make_pre(self, lid: int, inplace: bool):
         s = self.session
         stack: list = []
         layer = s.layers[lid]
         grad_work = self._grad_work
+        in_key = ((lid, "flag", "in"), 0)
 
         def pre(mod: nn.Module, args: Any) -> None:
+            if _is_compiling():
+                return traced(mod, args)
             if not s.recording or self._removed or _graph_task_id() != -1:
                 return
             if layer.ord is None:
                 s.mark_order(lid)
             if s.attributing:
-                ins = _float_inputs(args)
-                stack.append(s.flag_slots(lid, "in", ins))
-                call = None
-                for t in ins:
-                    if t.requires_grad:
-                        if call is None:
-                            call = s._calls.get(lid, 0)
-                        grad_work(t, ((True, lid, "gin", call),))
-            if _inplace(mod):
+                if type(args) is tuple and len(args) == 1 and type(args[0]) is _Tensor:  # the common case
+                    t = args[0]
+                    flag = None
+                    if t.dtype.is_floating_point and t.layout == _strided and not t.is_meta:
+                        try:
+                            if t.numel():
+                                flag = (s._rows.slot_of(t, in_key),)
+                            if t.requires_grad:
+                                grad_work(t, ((True, lid, "gin", s._calls.get(lid, 0)),))
+                        except Exception as e:  # pragma: no cover - as Session.flag_slots
+                            s.note_layer(lid, f"could not check in for NaN/Inf: {type(e).__name__}: {e}")
+                    stack.append(flag)
+                else:
+                    ins = _float_inputs(args)
+                    stack.append(s.flag_slots(lid, "in", ins))
+                    call = None
+                    for t in ins:
+                        if t.requires_grad:
+                            if call is None:
+                                call = s._calls.get(lid, 0)
+                            grad_work(t, ((True, lid, "gin", call),))
+            if inplace:
                 s.flush_rows()  # measure the waiting tensors before this module overwrites its input
 
+        traced = self._eager(pre)
         self._stack[lid] = stack  # type: ignore[attr-defined]
-        return self._hook_fn(pre)
+        return self._guard(pre)
 
     def _make_post(self, lid: int, record_stats: bool):
         s = self.session
         stack = self._stack[lid]
         grad_work = self._grad_work
+        layer = s.layers[lid]
+        out_key = ((lid, "flag", "out"), 0)
+        act_key = (lid, "activation", "out")
 
         def post(mod: nn.Module, args: Any, out: Any) -> None:
+            if _is_compiling():
+                return traced(mod, args, out)
             if not s.recording or self._removed or s.closed or _graph_task_id() != -1:
                 return  # (a forward inside backward is activation checkpointing recomputing it)
-            call = s.next_call(lid)
+            s._active = True  # this module's call number this step
+            calls = s._calls
+            call = calls.get(lid, 0)
+            calls[lid] = call + 1
+            if layer.ord is None:
+                s.mark_order(lid)
             if type(out) is _Tensor and out.dtype.is_floating_point and out.layout == _strided and not out.is_meta:
-                # the common case, one floating tensor: the same work as below, one hook request for both entries
-                needs_grad = out.requires_grad
-                gout = None
-                if s.attributing:
-                    in_flag = stack.pop() if stack else None
-                    if in_flag is not None:
-                        s.add_flag(lid, call, "in", in_flag)
-                    out_flag = s.flag_slots(lid, "out", [out])
-                    if out_flag is not None:
-                        s.add_flag(lid, call, "out", out_flag)
-                    if needs_grad:
-                        gout = (True, lid, "gout", call)
-                if record_stats:
-                    s.add_stats(lid, "activation", "out", call, out)
-                    if needs_grad:
-                        grad_work(out, ((False, lid, "out", call),) if gout is None else (gout, (False, lid, "out", call)))
-                        return
-                if gout is not None:
-                    grad_work(out, (gout,))
+                # the common case, one floating tensor: the same work as below, inline, and one hook
+                # request for both gradient entries
+                try:
+                    rows = s._rows
+                    n = out.numel()
+                    slot = -1
+                    gout = None
+                    if s.attributing:
+                        in_flag = stack.pop() if stack else None
+                        if in_flag is not None:
+                            s._flags.append(in_flag)
+                            s._flag_meta.append((lid, call, "in"))
+                        if n:
+                            slot = rows.slot_of(out, out_key)
+                            s._flags.append((slot,))
+                            s._flag_meta.append((lid, call, "out"))
+                        if out.requires_grad:
+                            gout = (True, lid, "gout", call)
+                    if record_stats:
+                        nbytes = n * out.element_size()
+                        if slot < 0:
+                            slot = rows.slot_of(out, act_key, nbytes)
+                        rows.meta.append((lid, "activation", "out", call, _dtype_name(out.dtype), n, nbytes))
+                        rows.slots.append(slot)
+                        if out.requires_grad:
+                            grad_work(out, ((False, lid, "out", call),) if gout is None else (gout, (False, lid, "out", call)))
+                            return
+                    if gout is not None:
+                        grad_work(out, (gout,))
+                except Exception as e:  # never break the user's forward because of a statistic
+                    s.note_layer(lid, f"could not record activation out: {type(e).__name__}: {e}")
                 return
             outs = _float_outputs(out)
             if s.attributing:
@@ -293,7 +346,8 @@ class Watch:
                 if t.requires_grad:
                     grad_work(t, ((False, lid, slot, call),))
 
-        return self._hook_fn(post)
+        traced = self._eager(post)
+        return self._guard(post)
 
     def _root_output_check(self):
         """Trials only: a device flag, every step, of whether the model's output held NaN/Inf, so a
@@ -301,26 +355,24 @@ class Watch:
         s = self.session
 
         def post(mod: nn.Module, args: Any, out: Any) -> None:
+            if _is_compiling():
+                return traced(mod, args, out)
             if self._removed or s.closed or _in_backward():
                 return
             flag = _nonfinite_flag([t for _, t in floating(iter_tensors(out)) if t.numel()])
             if flag is not None:
                 s.last_output_nonfinite = (s.step, flag)
 
-        return self._hook_fn(post)
+        traced = self._eager(post)
+        return self._guard(post)
 
-    def _hook_fn(self, fn):
-        """Under torch.compile, keep dynamo out of our hooks (it would trace them, guard on the
-        session's state and recompile every step). A model compiled after ``watch()`` is seen in
-        its first traced hook call: from then on that call runs eagerly and the hooks stay put
-        (no sleeping between recorded steps, whose hook changes would recompile too)."""
-        compiler = getattr(torch, "compiler", None)
-        if compiler is None or not hasattr(compiler, "disable"):
-            return fn
-        if self._compiled:
-            return compiler.disable(fn)
-        is_compiling = getattr(compiler, "is_compiling", None)
-        if is_compiling is None:
+    # Under torch.compile, dynamo must stay out of our hooks: it would trace them, guard on the
+    # session's state and recompile every step. Each hook starts with ``_is_compiling()`` and, when
+    # traced, hands its call to ``_eager(hook)``: the same hook run eagerly, which marks the watch
+    # compiled (its hooks then stay put: no sleeping between recorded steps, whose hook changes
+    # would recompile too). A model compiled before ``watch()`` gets hooks disabled for dynamo.
+    def _eager(self, fn):
+        if _disable is None:
             return fn
         watch = self
 
@@ -328,14 +380,10 @@ class Watch:
             watch._compiled = True
             return fn(*args)
 
-        traced = compiler.disable(eager)
+        return _disable(eager)
 
-        def hook(*args: Any) -> Any:
-            if is_compiling():
-                return traced(*args)
-            return fn(*args)
-
-        return hook
+    def _guard(self, fn):
+        return _disable(fn) if self._compiled and _disable is not None else fn
 
     def snapshot_grads(self) -> None:
         """Remember each parameter's ``.grad`` as it is now (the object and its ``_version``), so
