@@ -113,7 +113,8 @@ class Session:
         self._grad_events = 0
         self._row_policy = RowPolicy(self.fmt, on_stale=self._stale_row)
         self._bw_task = -2  # the backward pass whose end flushes the batch (see _queue_backward_flush)
-        self._deferred: tuple | None = None  # a recorded step whose host copy is in flight (CUDA)
+        self._deferred: list[tuple] = []  # recorded steps whose host copy is in flight (CUDA)
+        self._mid_step = False  # writing a deferred step from inside the next one (see on_backward)
         self._prefetched: _HostCopy | None = None
         self._reset_step()
 
@@ -289,6 +290,8 @@ class Session:
     # -- what the step tracker reports -----------------------------------------------------
     def on_backward(self, tensors: Any) -> None:
         self._active = True
+        if self._deferred:
+            self._write_deferred()
         if self.recording:  # the weight gradients are read where this backward pass ends
             for t in tensors if isinstance(tensors, (tuple, list)) else (tensors,):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -399,7 +402,8 @@ class Session:
             self.writer.add_step((s, loss, scale, None if skipped is None else int(skipped), sc["optimizer_steps"], rec, sc["wall"]))
             if loss is not None and not math.isfinite(loss) and self._detail_left == 0 and self.config.every > 1:
                 self._detail_left = DETAIL_AFTER_ANOMALY
-                self.recording = True
+                if not self._mid_step:  # the next step is recorded (mid-step: from the next boundary on)
+                    self.recording = True
             if self._oracle is not None and decision is None:
                 params_finite = None
                 if s == step and recorded:
@@ -415,18 +419,21 @@ class Session:
         return decision
 
     def _flush_soon(self, rows: StepRows, row_meta: list, flags: list, flag_meta: list, recorded: bool) -> Any:
-        """:meth:`_flush` this step's data, now or, on CUDA without an oracle, at the next boundary:
-        the device-to-host copy starts now (non-blocking, into pinned memory) and is read one
-        recorded step later, when it has long arrived, so the step boundary does not wait for the
-        GPU. With an oracle (``ampdoctor run``/``bisect`` trials) every step is decided at once."""
-        prev, self._deferred = self._deferred, None
+        """:meth:`_flush` this step's data, now or, on CUDA without an oracle, later: the
+        device-to-host copy starts now (non-blocking, into pinned memory) and is read when the next
+        step's backward pass starts (:meth:`_write_deferred`), or at the next boundary, when it has
+        long arrived, so neither the step boundary nor the host work waits for the GPU. With an
+        oracle (``ampdoctor run``/``bisect`` trials) every step is decided at once."""
+        prev, self._deferred = self._deferred, []
         copy = self._start_copy(rows, flags, self._pending_scalars)
         job = (copy, rows, row_meta, flags, flag_meta, recorded, self._pending_scalars)
         self._pending_scalars = []
+        first = None
+        for p in prev:  # one the next step's backward did not write (see on_backward)
+            first = self._run_flush(p) or first
         if copy.on_cuda and self._oracle is None and DEFER_HOST_READ:
-            self._deferred = job
-            return self._run_flush(prev)
-        first = self._run_flush(prev)
+            self._deferred = [job]
+            return first
         return self._run_flush(job) or first
 
     def _run_flush(self, job: tuple | None) -> Any:
@@ -443,11 +450,26 @@ class Session:
 
     def sync(self) -> None:
         """Write the recorded step whose host copy is still in flight (syncs with the device)."""
-        job, self._deferred = self._deferred, None
-        decision = self._run_flush(job)
-        if decision is not None and self.decision is None:  # pragma: no cover - no oracle when deferred
-            self.decision = decision
+        jobs, self._deferred = self._deferred, []
+        for job in jobs:
+            decision = self._run_flush(job)
+            if decision is not None and self.decision is None:  # pragma: no cover - no oracle when deferred
+                self.decision = decision
         self.writer.commit()
+
+    def _write_deferred(self) -> None:
+        """Write the deferred step(s) from inside the next step, when its backward pass starts: the
+        host has queued the whole forward by then, so this host work overlaps the GPU's, where at
+        the step boundary the GPU would wait for it. Never raises (no oracle when deferred)."""
+        jobs, self._deferred = self._deferred, []
+        self._mid_step = True
+        try:
+            for job in jobs:
+                self._run_flush(job)
+        except Exception as e:  # pragma: no cover - never break the user's training for a statistic
+            log.warning("ampdoctor: could not write step statistics: %s: %s", type(e).__name__, e)
+        finally:
+            self._mid_step = False
 
     def _start_copy(self, rows: StepRows, flags: list, scalars: list) -> _HostCopy:
         """Start the step's single device-to-host transfer (one per device; no sync)."""
@@ -608,7 +630,7 @@ class Session:
                 except Exception as e:  # pragma: no cover - never mask the user's own error
                     log.warning("ampdoctor: could not write the last steps: %s", e)
         finally:
-            if self._deferred is not None:
+            if self._deferred:
                 try:
                     self.sync()
                 except Exception as e:  # pragma: no cover - never mask the user's own error

@@ -327,3 +327,48 @@ def test_pure_half_model_records_fp16(tmp_path):
     r = TraceReader(tmp_path / "t.sqlite")
     assert {s["dtype"] for s in r.stats(kind="weight")} == {"float16"}
     assert all(math.isfinite(s["loss"]) for s in r.steps())
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_deferred_host_read_writes_the_same_trace(tmp_path, monkeypatch, every):
+    """On CUDA a recorded step's one host copy is read later: when the next step's backward starts
+    (the host work then overlaps the GPU's forward), or at the next boundary, or at remove(). Forced
+    here on the CPU: the trace is the one written when each step is read at its own boundary."""
+    from ampdoctor import hostcopy
+
+    def record(name, deferred):
+        torch.manual_seed(0)
+        model = _model()
+        seen = []
+        if deferred:
+            start = hostcopy.HostCopy.start
+
+            def start_as_cuda(self):
+                start(self)
+                self.on_cuda = True
+
+            monkeypatch.setattr(hostcopy.HostCopy, "start", start_as_cuda)
+        with ampdoctor.watch(model, trace=str(tmp_path / name), every=every) as w:
+            orig = w.session.on_backward
+
+            def on_backward(tensors):  # which steps are written when each backward starts
+                w.session.writer.commit()
+                w.session.writer.flush()
+                seen.append(len(TraceReader(tmp_path / name).steps()))
+                orig(tensors)
+
+            w.session.on_backward = on_backward
+            train(model, 7, make_x=lambda i: torch.randn(4, 8) * (1 + i))
+        monkeypatch.undo()
+        r = TraceReader(tmp_path / name)
+        return r.stats(), r.steps(), [e for e in r.events()], seen
+
+    ref = record("now.sqlite", False)
+    got = record("deferred.sqlite", True)
+    assert got[0] == ref[0] and len(ref[0]) > 0
+    assert [{k: v for k, v in s.items() if k != "wall"} for s in got[1]] == \
+           [{k: v for k, v in s.items() if k != "wall"} for s in ref[1]]
+    assert got[2] == ref[2]
+    if every == 1:
+        assert ref[3] == list(range(7))  # read at its own boundary: written before the next step's backward
+        assert got[3] == [0] + list(range(6))  # deferred: step i-1 written when step i's backward starts
