@@ -316,17 +316,10 @@ extern "C" __global__ void stage1(const Table table, int m, int g0, int g1, int 
     const uint4* vp = (const uint4*)(base + s);
     const i64 nvec = (e - s) / VEC;
     i64 v = tid;
-    uint4 q0, q1;
-    if (v + nt < nvec) {
-        q0 = vp[v];
-        q1 = vp[v + nt];
-    }
     for (; v + nt < nvec; v += 2 * nt) {
+        uint4 q0 = vp[v];
+        uint4 q1 = vp[v + nt];
         u32 w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
-        if (v + 3 * nt < nvec) {  // the next pair's loads in flight while this one is counted
-            q0 = vp[v + 2 * nt];
-            q1 = vp[v + 3 * nt];
-        }
 #pragma unroll
         for (int k = 0; k < 8; ++k) fast_vword(w[k], vmin, vmax, vabs, vnzm1, emax, h);
     }

@@ -15,14 +15,6 @@ at *flush points*:
   gradient clipping or the next micro-batch change gradients in place;
 * the step boundary.
 
-On CUDA, when the step is bound by the GPU (a budget of 256 MiB or more, i.e. a peak of 8.5 GB or
-more; ``AMPDOCTOR_SIDE_STREAM=0/1`` forces it off/on), batches are measured on a side stream, beside
-the training's kernels: each batch starts after the work queued before its flush, and the training's
-stream waits for it (on the GPU, no host sync) at the next flush and at the flush points above, where
-training may change measured tensors in place. Its tensors stay referenced until then (their memory
-is not reused under it), and one changed in place meanwhile has its row dropped with a note, never
-written wrong, and is measured at once in its hook from then on.
-
 A tensor is measured once per step however many hooks ask for it (the same object at the same
 ``_version``): the non-finite flags used for first-non-finite attribution are read off the rows of
 the tensors they concern, so they cost no kernel of their own.
@@ -56,18 +48,6 @@ BUDGET_BYTES = 64 << 20  # bytes of tensors held by a batch before it is measure
 _DEFAULT_BUDGET = BUDGET_BYTES
 _weakref = weakref.ref
 EAGER = os.environ.get("AMPDOCTOR_EAGER", "0") == "1"  # measure every tensor in its hook (no batching)
-# CUDA: measure batches on a side stream, beside the training's kernels ("0" never, "1" always, "auto":
-# when the budget is at least SIDE_MIN_BUDGET, i.e. large tensors and a GPU-bound step)
-SIDE_STREAM = os.environ.get("AMPDOCTOR_SIDE_STREAM", "auto")
-SIDE_MIN_BUDGET = 256 << 20
-_side_streams: dict = {}
-
-
-def _side_stream(dev: torch.device):
-    s = _side_streams.get(dev.index)
-    if s is None:
-        s = _side_streams[dev.index] = torch.cuda.Stream(dev)
-    return s
 
 
 def _allocated(dev: torch.device) -> int:
@@ -95,29 +75,23 @@ class RowPolicy:
         self.on_stale = on_stale
         self._cuda_tried = False
         self.peaks: dict = {}  # CUDA device -> peak allocated bytes when the first recorded step ended
-        self.side = False  # CUDA batches measured on a side stream (see StepRows.flush)
 
     def fit_budget(self, devices: set) -> None:
         """On CUDA, after the first recorded step: a budget of 3% of the peak memory so far
         (within 16 MiB..1 GiB), so holding a batch stays a small fraction of what training holds
-        anyway. A budget of SIDE_MIN_BUDGET or more (large tensors: the step is bound by the GPU)
-        turns the side stream on (``AMPDOCTOR_SIDE_STREAM``) and is halved: one batch in flight
-        and one filling. Reads the allocator's counters only (no sync)."""
-        cuda = [d for d in devices if d.type == "cuda"]
-        if self._fit and cuda:
-            self.peaks = {d: torch.cuda.max_memory_allocated(d) for d in cuda}
+        anyway. Reads the allocator's counters only (no sync)."""
+        if not self._fit:
+            return
+        self.peaks = {d: torch.cuda.max_memory_allocated(d) for d in devices if d.type == "cuda"}
+        if self.peaks:
             self.budget = int(min(1 << 30, max(16 << 20, 0.03 * max(self.peaks.values()))))
-        if cuda:
-            self.side = SIDE_STREAM == "1" or (SIDE_STREAM == "auto" and self.budget >= SIDE_MIN_BUDGET)
-            if self.side and self._fit:  # a batch in flight and one filling: two halves of the budget
-                self.budget //= 2
 
     def room(self, pending: int) -> bool:
         """Whether a batch of ``pending`` bytes, past its budget, may grow by another
         :attr:`step`: on every CUDA device of the session, allocated memory plus a step stays
         under the peak of the first recorded step, and the batch under a quarter of that peak.
         Reads the allocator's counters (no sync)."""
-        if not self.peaks or self.side:  # on the side stream, batches of the budget overlap training
+        if not self.peaks:
             return False
         for d, peak in self.peaks.items():
             if pending > peak // 4 or _allocated(d) + self.step > peak:
@@ -151,7 +125,6 @@ class StepRows:
         self._pending_bytes = 0
         self._check_at = policy.budget  # pending bytes at which the batch is flushed or let grow
         self._seen: dict[int, tuple[Any, int, int]] = {}  # id(t) -> (weakref, _version, slot)
-        self._inflight: dict[torch.device, tuple] = {}  # on the side stream: (tensors, slots, versions, keys)
         self._devices: set[torch.device] = set()
 
     def __bool__(self) -> bool:
@@ -214,7 +187,7 @@ class StepRows:
         for slot, t in enumerate(tensors, start):
             if t.device not in self._devices:
                 self._see_device(t.device)
-            pending.append((slot, t, t._version, metas[slot - start][:3], False))
+            pending.append((slot, t, t._version, None, False))
         self.meta.extend(metas)
         self.slots.extend(range(start, self.n_slots))
         self.flush()
@@ -250,69 +223,24 @@ class StepRows:
         pol = self.policy
         pending, self._pending, self._pending_bytes = self._pending, [], 0
         self._check_at = pol.budget
-        by_dev: dict[torch.device, tuple[list, list, list, list]] = {}
+        by_dev: dict[torch.device, tuple[list, list]] = {}
         for slot, t, ver, key, measured in pending:
             if t._version != ver:
-                self._stale(slot, key, measured)
+                pol.volatile.add(key)
+                if not measured:
+                    self.dropped.add(slot)
+                    if pol.on_stale is not None:
+                        pol.on_stale(key)
                 continue
             if measured:
                 continue
             group = by_dev.get(t.device)
             if group is None:
-                group = by_dev[t.device] = ([], [], [], [])
+                group = by_dev[t.device] = ([], [])
             group[0].append(t)  # batch_stats reads it without building a graph: no detach here
             group[1].append(slot)
-            group[2].append(ver)
-            group[3].append(key)
-        for dev, (ts, ss, vs, ks) in by_dev.items():
-            if pol.side and dev.type == "cuda":
-                self._measure_beside(dev, ts, ss, vs, ks)
-            else:
-                self._measure(ts, ss)
-
-    def _stale(self, slot: int, key: Hashable, measured: bool) -> None:
-        """``slot``'s tensor changed in place before it was measured: its key is measured at once
-        from now on, and its row this step dropped (unless it was measured at once already)."""
-        pol = self.policy
-        pol.volatile.add(key)
-        if not measured:
-            self.dropped.add(slot)
-            if pol.on_stale is not None:
-                pol.on_stale(key)
-
-    def _measure_beside(self, dev: torch.device, ts: list, ss: list, vs: list, ks: list) -> None:
-        """Measure a batch on the side stream, so that its kernels run beside the training's
-        (they read, the training computes). It starts after everything queued so far on the
-        training's stream; the batch before it is retired first (:meth:`_retire`). Its tensors
-        stay referenced until it is retired, so their memory is not reused under it."""
-        main = torch.cuda.current_stream(dev)
-        side = _side_stream(dev)
-        self._retire(dev)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
+        for ts, ss in by_dev.values():
             self._measure(ts, ss)
-        self._inflight[dev] = (ts, ss, vs, ks)
-
-    def _retire(self, dev: torch.device) -> None:
-        """The training's stream waits for the batch in flight on the side stream (on the GPU: no
-        host sync); a tensor of it changed in place meanwhile (by work queued before this wait, so
-        maybe before it was read) has its row dropped, never written wrong, and is measured at once
-        in its hook from then on."""
-        fl = self._inflight.pop(dev, None)
-        if fl is None:
-            return
-        torch.cuda.current_stream(dev).wait_stream(_side_stream(dev))
-        for t, slot, ver, key in zip(*fl):
-            if t._version != ver:
-                self._stale(slot, key, False)
-
-    def sync_point(self) -> None:
-        """A flush after which the training may change measured tensors in place (before an
-        in-place module, at the end of a backward pass, at the step boundary): flush, and have
-        the training's stream wait for every batch in flight on a side stream."""
-        self.flush()
-        for dev in list(self._inflight):
-            self._retire(dev)
 
     def _measure(self, ts: list[torch.Tensor], ss: list[int]) -> None:
         """One batch of tensors (one device) into a block of rows for slots ``ss``."""
@@ -329,7 +257,7 @@ class StepRows:
 
     def finish(self) -> None:
         """The step's last flush: measure what waits, forget rows that could not be measured."""
-        self.sync_point()
+        self.flush()
         if self.n_slots and not self.policy.calibrated:
             self.policy.calibrated = True
             self.policy.fit_budget(self._devices)

@@ -254,7 +254,7 @@ class Session:
         if self.closed:
             return
         try:
-            self._rows.sync_point()
+            self._rows.flush()
         except Exception as e:  # pragma: no cover - never break training for a statistic
             log.warning("ampdoctor: could not measure a batch of tensors: %s: %s", type(e).__name__, e)
 

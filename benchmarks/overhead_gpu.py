@@ -160,13 +160,6 @@ def _defer():
     session_mod.DEFER_HOST_READ = True
 
 
-def _side(value: str):
-    """(set ``rows.SIDE_STREAM`` to ``value``, restore it)."""
-    from ampdoctor import rows
-    saved = rows.SIDE_STREAM
-    return (lambda: setattr(rows, "SIDE_STREAM", value)), (lambda: setattr(rows, "SIDE_STREAM", saved))
-
-
 def count_syncs(step, config: Config, n: int) -> dict:
     """Host syncs and device-to-host copies per step, from a profiler trace and from
     ``torch.cuda.set_sync_debug_mode('warn')``."""
@@ -301,8 +294,6 @@ def main() -> None:
                    help="also the reference floors: hooks that only append, and hooks that read each tensor once")
     p.add_argument("--ab", metavar="REV", default=None,
                    help="also every=1 and every=10 of the package at git revision REV, imported side by side")
-    p.add_argument("--side", choices=("on", "off"), default=None,
-                   help="also every=1 with the side stream forced on or off (AMPDOCTOR_SIDE_STREAM)")
     p.add_argument("--phases", type=int, default=0, metavar="STEPS",
                    help="also the host time of each phase of a step (forward, backward, optimizer step, update)")
     args = p.parse_args()
@@ -330,9 +321,6 @@ def main() -> None:
             configs += [hooks_only(model), hooks_only(model, read=True)]
         if args.ablations:
             configs += [watch_config("every=1, blocking read", model, 1, before=_no_defer, after=_defer)]
-        if args.side:
-            on, off = _side("0" if args.side == "off" else "1")
-            configs += [watch_config(f"every=1, side stream {args.side}", model, 1, before=on, after=off)]
         if args.torch_path:
             configs += [watch_config("every=1, torch path", model, 1, before=_torch_path, after=_fused_path)]
         if not args.no_others:
