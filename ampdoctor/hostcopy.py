@@ -1,5 +1,5 @@
 """One step's device data bound for the host: one ``cat`` and one copy per device; on CUDA the
-copy goes non-blocking into pinned memory and an event marks its arrival (read a step later)."""
+copy goes non-blocking into pinned memory and an event marks its arrival (read later: when the next step's backward starts, or at the next boundary)."""
 
 from __future__ import annotations
 

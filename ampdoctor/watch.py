@@ -190,7 +190,7 @@ class Watch:
         self._handles.extend(self._sleepers)
 
     def sleep(self, asleep: bool) -> None:
-        """Take the module and weight-gradient hooks out of their dicts for steps that are not
+        """Take the module hooks out of their dicts for steps that are not
         recorded (they would return at once, but a module with any hook takes PyTorch's slower
         call path), and put them back, in their places, before a recorded step. Not under
         torch.compile: dynamo guards on the hook dicts and would recompile at each change."""
