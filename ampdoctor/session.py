@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from . import stats as _stats
+from .attribution import Attribution, bad_rows
 from .config import RunConfig
 from .formats import Format, get_format
 from .hostcopy import HostCopy as _HostCopy
@@ -33,7 +34,6 @@ log = logging.getLogger(__name__)
 
 KINDS = ("activation", "gradient", "weight", "weight_grad")
 DETAIL_AFTER_ANOMALY = 3  # with every=N, record this many steps in full after a non-finite loss
-MAX_GRAD_EVENTS = 1000  # per-step producers of non-finite gradients kept while a GradScaler runs
 
 
 class StopRun(BaseException):
@@ -104,13 +104,11 @@ class Session:
                                   reference_losses=self.config.reference_losses)
         self.decision: Any = None
         self._detail_left = 0
-        self._first_found: dict[str, bool] = {"forward": False, "backward": False, "weight": False}
-        self.first_nonfinite: dict | None = None
+        self.attribution = Attribution(self.layers, self.writer)
         self._pending_scalars: list[tuple[int, dict]] = []
         self._scaled_loss_active = False  # a GradScaler was seen: skipped steps are its business
         self._step_optimizer: int | None = None  # without a GradScaler, this optimizer's step ends a step
         self.last_output_nonfinite: tuple[int, Any] | None = None  # (step, device flag), trials only
-        self._grad_events = 0
         self._row_policy = RowPolicy(self.fmt, on_stale=self._stale_row)
         self._bw_task = -2  # the backward pass whose end flushes the batch (see _queue_backward_flush)
         self._deferred: list[tuple] = []  # recorded steps whose host copy is in flight (CUDA)
@@ -168,8 +166,7 @@ class Session:
         self.recording = (self.step % every == 0) or self._detail_left > 0
         if self._detail_left > 0:
             self._detail_left -= 1
-        self.attributing = self.recording and not (
-            self._first_found["forward"] and self._first_found["backward"] and not self._scaled_loss_active)
+        self.attributing = self.recording and not self.attribution.done(self._scaled_loss_active)
         self._rows = StepRows(self._row_policy)
         self._row_meta: list[tuple] = self._rows.meta
         self._flags: list[Any] = []  # device bools, or tuples of row slots (see flag_slots)
@@ -395,7 +392,7 @@ class Session:
         if recorded and row_meta:
             self.writer.add_stat_rows(step, row_meta, host_rows, _stats.N_FIELDS)
         if recorded:
-            self._attribute(step, row_meta, host_rows, flag_meta, host_flags)
+            self.attribution.observe(step, row_meta, host_rows, flag_meta, host_flags, self._scaled_loss_active)
         for (s, sc), vals in zip(self._pending_scalars, host_scalars):
             loss, scale, skipped = vals
             rec = int(s == step and recorded)
@@ -407,7 +404,7 @@ class Session:
             if self._oracle is not None and decision is None:
                 params_finite = None
                 if s == step and recorded:
-                    params_finite = not any(m[1] == "weight" and b for m, b in zip(row_meta, _bad_rows(host_rows)))
+                    params_finite = not any(m[1] == "weight" and b for m, b in zip(row_meta, bad_rows(host_rows)))
                 decision = self._oracle.observe(s, loss, scale, None if skipped is None else bool(skipped), params_finite)
                 if decision is None and self.config.pass_after is not None and s + 1 >= self.config.pass_after:
                     decision = self._oracle.finish()
@@ -495,7 +492,7 @@ class Session:
         table = rows.host_table([take("block") for _ in rows.blocks], width)
         host_rows = table[rows.slots] if rows.slots else np.zeros((0, width))
         if flags:
-            bad = _bad_rows(table, rows.dropped)  # per slot, as rows.nonfinite
+            bad = bad_rows(table, rows.dropped)  # per slot, as rows.nonfinite
             any_bad = any(bad)
             vals = []
             for f in flags:
@@ -519,94 +516,10 @@ class Session:
             host_scalars.append(vals)
         return host_rows, host_flags, host_scalars
 
-    # -- first non-finite attribution ------------------------------------------------------
-    def _attribute(self, step: int, row_meta: list, host_rows: np.ndarray, flag_meta: list, host_flags: np.ndarray) -> None:
-        row_bad = _bad_rows(host_rows)
-        if not host_flags.any() and not any(row_bad):
-            return  # nothing non-finite this step: no event can come out of what follows
-        by_call: dict[tuple[int, int], dict[str, bool]] = {}
-        order: dict[str, list[tuple[int, int]]] = {"out": [], "gout": []}
-        in_order: dict[str, set] = {"out": set(), "gout": set()}
-        for (lid, call, phase), v in zip(flag_meta, host_flags.tolist()):
-            key = (lid, call)
-            d = by_call.get(key)
-            if d is None:
-                d = by_call[key] = {}
-            d[phase] = d.get(phase, False) or bool(v)
-            seen = in_order.get(phase)
-            if seen is not None and key not in seen:
-                seen.add(key)
-                order[phase].append(key)
-        wgrad_bad: dict[int, bool] = {}
-        weight_bad: list[int] = []
-        for (lid, kind, *_), bad in zip(row_meta, row_bad):
-            if kind == "weight_grad":
-                wgrad_bad[lid] = wgrad_bad.get(lid, False) or bad
-            elif kind == "weight" and bad and lid not in weight_bad:
-                weight_bad.append(lid)
-        if not self._first_found["forward"]:
-            prod = [k for k in order["out"] if by_call[k].get("out") and not by_call[k].get("in")]
-            if prod:
-                self._event(step, "activation", self._deepest(prod), len(prod))
-                self._first_found["forward"] = True
-            elif any(by_call[k].get("out") for k in order["out"]):
-                first_in = next(k for k in order["out"] if by_call[k].get("out"))
-                self._event(step, "activation", first_in, 0, input_nonfinite=True)
-                self._first_found["forward"] = True
-        if not self._first_found["backward"] or self._scaled_loss_active:
-            self._attribute_backward(step, by_call, order, wgrad_bad)
-        if weight_bad and not self._first_found["weight"]:
-            self._event(step, "weight", (weight_bad[0], 0), len(weight_bad))
-            self._first_found["weight"] = True
-
-    def _attribute_backward(self, step: int, by_call: dict, order: dict, wgrad_bad: dict) -> None:
-        prod = []
-        for k in order["gout"]:
-            d = by_call[k]
-            if d.get("gout"):
-                continue
-            if d.get("gin"):
-                prod.append((k, "gradient"))
-            elif wgrad_bad.get(k[0]):
-                prod.append((k, "weight_grad"))
-        # layers with weight grads but no output-gradient flag (e.g. not reached by a tensor hook)
-        for lid, bad in wgrad_bad.items():
-            if bad and not any(k[0] == lid for k in by_call if "gout" in by_call[k]) and not any(k[0] == lid for k, _ in prod):
-                prod.append(((lid, 0), "weight_grad"))
-        extra: dict = {}
-        if not prod:
-            bad_out = [k for k in order["gout"] if by_call[k].get("gout")]
-            if not bad_out:
-                return
-            # non-finite gradient arrives at the model's output: made by the loss (or its scale)
-            prod, extra = [(bad_out[0], "gradient")], {"from_loss": True}
-        keys = [k for k, _ in prod]
-        best = self._deepest(keys)
-        kind = dict(prod)[best]
-        scaled = self._scaled_loss_active
-        if not self._first_found["backward"]:
-            self._event(step, kind, best, len(prod), scaled=scaled, **extra)
-            self._first_found["backward"] = True
-        if scaled and self._grad_events < MAX_GRAD_EVENTS:
-            self._grad_events += 1
-            self.writer.add_event(step, "grad_nonfinite", self.layers[best[0]].name, kind=kind, **extra)
-
-    def _deepest(self, keys: list[tuple[int, int]]) -> tuple[int, int]:
-        """The first key whose layer has no descendant among the others (the innermost producer)."""
-        names = [self.layers[k[0]].name for k in keys]
-        for k, name in zip(keys, names):
-            if not any(o != name and (name == "" or o.startswith(name + ".")) for o in names):
-                return k
-        return keys[0]
-
-    def _event(self, step: int, kind: str, key: tuple[int, int], n_producers: int, **extra: Any) -> None:
-        name = self.layers[key[0]].name
-        detail = {"kind": kind, "call": key[1], "producers": n_producers, **extra}
-        self.writer.add_event(step, "first_nonfinite", name, **detail)
-        ev = {"step": step, "layer": name, "kind": kind, **extra}
-        if self.first_nonfinite is None:  # attribution runs forward, backward, weights: in time order
-            self.first_nonfinite = ev
-        log.info("ampdoctor: first non-finite %s at step %d in %s", kind, step, name)
+    @property
+    def first_nonfinite(self) -> dict | None:
+        """The first first-non-finite event of the run (see :mod:`ampdoctor.attribution`)."""
+        return self.attribution.first
 
     # -- the end ---------------------------------------------------------------------------
     def close(self, status: str = "finished", **meta: Any) -> None:
@@ -681,17 +594,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     if name is None:
         name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
     return name
-
-
-def _bad_rows(table: np.ndarray, dropped: set | None = None) -> list[bool]:
-    """Per row: whether it counts a NaN or an Inf (``r[1] or r[2] or r[3]``, so a NaN count counts
-    too); rows in ``dropped`` (slots that could not be measured) are not."""
-    if not len(table):
-        return []
-    bad = (table[:, 1] != 0) | (table[:, 2] != 0) | (table[:, 3] != 0)
-    if dropped:
-        bad[list(dropped)] = False
-    return bad.tolist()
 
 
 _CURRENT: Session | None = None
