@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .session import Session, _dtype_name, get_session
 from .tensors import floating, iter_tensors
@@ -128,6 +130,30 @@ class _GradWork(list):
             s.note_layer(self[0][1], f"could not record a gradient: {type(e).__name__}: {e}")
 
 
+_fast_hooks = [hasattr(_Tensor, "_backward_hooks") and hasattr(RemovableHandle, "next_id")]
+
+
+def _register_hook(t: torch.Tensor, fn: Any) -> None:
+    """``t.register_hook(fn)`` for the first hook of a plain non-leaf tensor, without the
+    ``RemovableHandle`` nobody would keep (our hooks are never removed one by one: they do nothing
+    once the watch is removed): the same two calls as ``Tensor.register_hook`` makes, and a key from
+    the same counter. Anything else, or any surprise, goes through ``t.register_hook``."""
+    if _fast_hooks[0] and type(t) is _Tensor and t._backward_hooks is None and t.grad_fn is not None:
+        try:
+            hooks: OrderedDict = OrderedDict()
+            t._backward_hooks = hooks
+            t.grad_fn._register_hook_dict(t)
+            key = RemovableHandle.next_id
+            RemovableHandle.next_id = key + 1
+            hooks[key] = fn
+            return
+        except Exception as e:  # another torch: the public call from now on
+            log.info("ampdoctor: direct tensor hook registration unavailable (%s: %s)", type(e).__name__, e)
+            _fast_hooks[0] = False
+            t._backward_hooks = None
+    t.register_hook(fn)
+
+
 def _nonfinite_flag(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     flags = [(~torch.isfinite(t.detach())).any() for t in tensors if t.numel()]
     if not flags:
@@ -225,7 +251,7 @@ class Watch:
                 return
         work = _GradWork(entries)
         work.watch = self
-        t.register_hook(work)
+        _register_hook(t, work)
 
     def _make_pre(self, lid: int, inplace: bool):
         s = self.session

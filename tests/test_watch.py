@@ -372,3 +372,23 @@ def test_deferred_host_read_writes_the_same_trace(tmp_path, monkeypatch, every):
     if every == 1:
         assert ref[3] == list(range(7))  # read at its own boundary: written before the next step's backward
         assert got[3] == [0] + list(range(6))  # deferred: step i-1 written when step i's backward starts
+
+
+def test_direct_tensor_hook_registration_behaves_like_register_hook():
+    """The watch's first hook on an output tensor is registered without a RemovableHandle: it runs,
+    a hook the user registers after it runs after it, and the user's handle still removes theirs."""
+    from ampdoctor.watch import _register_hook
+
+    x = torch.randn(3, requires_grad=True)
+    y = x * 2
+    calls = []
+    _register_hook(y, lambda g: calls.append(("ours", g.clone())))
+    h = y.register_hook(lambda g: calls.append(("user", None)))
+    assert len(y._backward_hooks) == 2 and len(set(y._backward_hooks)) == 2
+    y.sum().backward(retain_graph=True)
+    assert [c[0] for c in calls] == ["ours", "user"] and torch.equal(calls[0][1], torch.ones(3))
+    h.remove()
+    calls.clear()
+    y.sum().backward()
+    assert [c[0] for c in calls] == ["ours"]
+    assert torch.equal(x.grad, torch.full((3,), 4.0))
