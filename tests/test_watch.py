@@ -392,3 +392,34 @@ def test_direct_tensor_hook_registration_behaves_like_register_hook():
     y.sum().backward()
     assert [c[0] for c in calls] == ["ours"]
     assert torch.equal(x.grad, torch.full((3,), 4.0))
+
+
+def test_deferred_read_detail_after_a_nonfinite_loss(tmp_path, monkeypatch):
+    """As test_detail_after_a_nonfinite_loss_wakes_the_hooks, with the host read deferred as on CUDA
+    (a NaN loss is then seen inside a later step, when its backward starts): the detail steps start
+    at the next boundary, every step marked recorded has its statistics, no other step has any."""
+    from ampdoctor import hostcopy
+    start = hostcopy.HostCopy.start
+
+    def start_as_cuda(self):
+        start(self)
+        self.on_cuda = True
+
+    monkeypatch.setattr(hostcopy.HostCopy, "start", start_as_cuda)
+    torch.manual_seed(0)
+    model = _model()
+
+    def make_x(i):
+        x = torch.randn(4, 8)
+        if i == 5:
+            x[0, 0] = float("inf")
+        return x
+
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite"), every=4):
+        train(model, 14, make_x=make_x, scaler=False, autocast=False, lr=0.0)
+    r = TraceReader(tmp_path / "t.sqlite")
+    recorded = {s["step"] for s in r.steps() if s["recorded"]}
+    assert {0, 4, 8} <= recorded and not {1, 2, 3, 5, 6, 7} & recorded
+    assert len(recorded - {0, 4, 8, 12}) >= 3  # the detail steps after the NaN loss
+    for kind in ("activation", "gradient", "weight_grad"):
+        assert {s["step"] for s in r.stats(kind=kind)} == recorded
