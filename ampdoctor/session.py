@@ -201,28 +201,25 @@ class Session:
         except Exception as e:  # never break the user's training because of a statistic
             self.note_layer(lid, f"could not record {kind} {slot}: {type(e).__name__}: {e}")
 
-    def add_weights(self, params: list[tuple[int, str, torch.Tensor]]) -> None:
-        """Rows of the weights ``(lid, name, parameter)`` as they are now, measured together at once
-        (one launch per device on CUDA): they are alive anyway and nothing else asks for them."""
+    def add_param_rows(self, kind: str, entries: list[tuple[int, str, torch.Tensor]]) -> None:
+        """Rows of kind ``kind`` ("weight" or "weight_grad") of the tensors ``(lid, name, tensor)``
+        as they are now, measured together at once (one launch per device on CUDA): they are alive
+        anyway and nothing else asks for them this step."""
         if self.closed:
             return
         metas, ts = [], []
-        for lid, pname, p in params:
-            if p.is_floating_point():
-                n = p.numel()
-                metas.append((lid, "weight", pname, 0, _dtype_name(p.dtype), n, n * p.element_size()))
-                ts.append(p)
-        self.add_rows_now(metas, ts)
-
-    def add_rows_now(self, metas: list[tuple], ts: list[torch.Tensor]) -> None:
-        """Rows ``metas`` of ``ts`` measured together now (see :meth:`StepRows.add_now`)."""
-        if self.closed or not ts:
+        for lid, pname, t in entries:
+            if t.is_floating_point() and t.layout == torch.strided:
+                n = t.numel()
+                metas.append((lid, kind, pname, 0, _dtype_name(t.dtype), n, n * t.element_size()))
+                ts.append(t)
+        if not ts:
             return
         self._active = True
         try:
             self._rows.add_now(metas, ts)
         except Exception as e:  # pragma: no cover - never break the user's training for a statistic
-            log.warning("ampdoctor: could not record %d %s rows: %s: %s", len(ts), metas[0][1], type(e).__name__, e)
+            log.warning("ampdoctor: could not record %d %s rows: %s: %s", len(ts), kind, type(e).__name__, e)
 
     def add_flag(self, lid: int, call: int, phase: str, flag: Any) -> None:
         """Did this module's inputs/outputs/gradients hold NaN/Inf: a device bool, or the row

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections import OrderedDict
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
 from .session import Session, _dtype_name, get_session
 from .tensors import floating, iter_tensors
@@ -130,30 +128,6 @@ class _GradWork(list):
             s.note_layer(self[0][1], f"could not record a gradient: {type(e).__name__}: {e}")
 
 
-_fast_hooks = [hasattr(_Tensor, "_backward_hooks") and hasattr(RemovableHandle, "next_id")]
-
-
-def _register_hook(t: torch.Tensor, fn: Any) -> None:
-    """``t.register_hook(fn)`` for the first hook of a plain non-leaf tensor, without the
-    ``RemovableHandle`` nobody would keep (our hooks are never removed one by one: they do nothing
-    once the watch is removed): the same two calls as ``Tensor.register_hook`` makes, and a key from
-    the same counter. Anything else, or any surprise, goes through ``t.register_hook``."""
-    if _fast_hooks[0] and type(t) is _Tensor and t._backward_hooks is None and t.grad_fn is not None:
-        try:
-            hooks: OrderedDict = OrderedDict()
-            t._backward_hooks = hooks
-            t.grad_fn._register_hook_dict(t)
-            key = RemovableHandle.next_id
-            RemovableHandle.next_id = key + 1
-            hooks[key] = fn
-            return
-        except Exception as e:  # another torch: the public call from now on
-            log.info("ampdoctor: direct tensor hook registration unavailable (%s: %s)", type(e).__name__, e)
-            _fast_hooks[0] = False
-            t._backward_hooks = None
-    t.register_hook(fn)
-
-
 def _nonfinite_flag(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     flags = [(~torch.isfinite(t.detach())).any() for t in tensors if t.numel()]
     if not flags:
@@ -251,7 +225,7 @@ class Watch:
                 return
         work = _GradWork(entries)
         work.watch = self
-        _register_hook(t, work)
+        t.register_hook(work)
 
     def _make_pre(self, lid: int, inplace: bool):
         s = self.session
@@ -429,7 +403,7 @@ class Watch:
         if self._removed:
             return
         seen = self._grads_seen
-        metas, ts = [], []
+        changed = []
         for i, (lid, pname, p) in enumerate(self._params):
             g = p.grad
             if g is None:
@@ -440,17 +414,14 @@ class Watch:
             if last is not None and last[1] == ver and last[0]() is g:
                 continue
             seen[i] = (_weakref(g), ver)
-            if g.is_floating_point() and g.layout == _strided:
-                n = g.numel()
-                metas.append((lid, "weight_grad", pname, 0, _dtype_name(g.dtype), n, n * g.element_size()))
-                ts.append(g)
-        if ts:
-            self.session.add_rows_now(metas, ts)
+            changed.append((lid, pname, g))
+        if changed:
+            self.session.add_param_rows("weight_grad", changed)
 
     def record_weights(self) -> None:
         """Weights after the optimizer step (called at the step boundary)."""
         if not self._removed:
-            self.session.add_weights(self._params)
+            self.session.add_param_rows("weight", self._params)
 
     def _force(self, names: list[str]) -> None:
         from .precision import force_fp32

@@ -112,10 +112,9 @@ def test_hooks_sleep_on_steps_not_recorded(tmp_path):
     assert {s["step"] for s in r.stats(kind="weight_grad")} == {0, 3}
 
 
-def test_detail_after_a_nonfinite_loss_wakes_the_hooks(tmp_path):
-    """every=4 and a NaN loss at step 5 (seen when step 8's batch of losses is read): the steps
-    recorded in detail after it have their statistics, so the hooks were back for them, and no
-    step that is not marked recorded has any."""
+def _inf_at_step_5(tmp_path, steps: int) -> set:
+    """every=4, an Inf input (so a NaN loss) at step 5: the steps marked recorded, after checking
+    that exactly those have statistics (the hooks were back for each of them)."""
     torch.manual_seed(0)
     model = _model()
 
@@ -126,12 +125,33 @@ def test_detail_after_a_nonfinite_loss_wakes_the_hooks(tmp_path):
         return x
 
     with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite"), every=4):
-        train(model, 12, make_x=make_x, scaler=False, autocast=False, lr=0.0)
+        train(model, steps, make_x=make_x, scaler=False, autocast=False, lr=0.0)
     r = TraceReader(tmp_path / "t.sqlite")
     recorded = {s["step"] for s in r.steps() if s["recorded"]}
-    assert {0, 4, 8, 9, 10, 11} <= recorded and not {1, 2, 3, 5, 6, 7} & recorded
     for kind in ("activation", "gradient", "weight_grad"):
         assert {s["step"] for s in r.stats(kind=kind)} == recorded
+    return recorded
+
+
+@pytest.fixture
+def deferred_read(monkeypatch):
+    """The host read deferred as on CUDA (HostCopy says it went to a GPU), on the CPU."""
+    from ampdoctor import hostcopy
+    start = hostcopy.HostCopy.start
+
+    def start_as_cuda(self):
+        start(self)
+        self.on_cuda = True
+
+    monkeypatch.setattr(hostcopy.HostCopy, "start", start_as_cuda)
+
+
+def test_detail_after_a_nonfinite_loss_wakes_the_hooks(tmp_path):
+    """every=4 and a NaN loss at step 5 (seen when step 8's batch of losses is read): the steps
+    recorded in detail after it have their statistics, so the hooks were back for them, and no
+    step that is not marked recorded has any."""
+    recorded = _inf_at_step_5(tmp_path, 12)
+    assert {0, 4, 8, 9, 10, 11} <= recorded and not {1, 2, 3, 5, 6, 7} & recorded
 
 
 def test_model_compiled_after_watch_records_the_same_without_recompiling(tmp_path):
@@ -330,24 +350,17 @@ def test_pure_half_model_records_fp16(tmp_path):
 
 
 @pytest.mark.parametrize("every", [1, 3])
-def test_deferred_host_read_writes_the_same_trace(tmp_path, monkeypatch, every):
+def test_deferred_host_read_writes_the_same_trace(tmp_path, request, every):
     """On CUDA a recorded step's one host copy is read later: when the next step's backward starts
     (the host work then overlaps the GPU's forward), or at the next boundary, or at remove(). Forced
     here on the CPU: the trace is the one written when each step is read at its own boundary."""
-    from ampdoctor import hostcopy
 
     def record(name, deferred):
         torch.manual_seed(0)
         model = _model()
         seen = []
         if deferred:
-            start = hostcopy.HostCopy.start
-
-            def start_as_cuda(self):
-                start(self)
-                self.on_cuda = True
-
-            monkeypatch.setattr(hostcopy.HostCopy, "start", start_as_cuda)
+            request.getfixturevalue("deferred_read")
         with ampdoctor.watch(model, trace=str(tmp_path / name), every=every) as w:
             orig = w.session.on_backward
 
@@ -359,7 +372,6 @@ def test_deferred_host_read_writes_the_same_trace(tmp_path, monkeypatch, every):
 
             w.session.on_backward = on_backward
             train(model, 7, make_x=lambda i: torch.randn(4, 8) * (1 + i))
-        monkeypatch.undo()
         r = TraceReader(tmp_path / name)
         return r.stats(), r.steps(), [e for e in r.events()], seen
 
@@ -374,52 +386,11 @@ def test_deferred_host_read_writes_the_same_trace(tmp_path, monkeypatch, every):
         assert got[3] == [0] + list(range(6))  # deferred: step i-1 written when step i's backward starts
 
 
-def test_direct_tensor_hook_registration_behaves_like_register_hook():
-    """The watch's first hook on an output tensor is registered without a RemovableHandle: it runs,
-    a hook the user registers after it runs after it, and the user's handle still removes theirs."""
-    from ampdoctor.watch import _register_hook
 
-    x = torch.randn(3, requires_grad=True)
-    y = x * 2
-    calls = []
-    _register_hook(y, lambda g: calls.append(("ours", g.clone())))
-    h = y.register_hook(lambda g: calls.append(("user", None)))
-    assert len(y._backward_hooks) == 2 and len(set(y._backward_hooks)) == 2
-    y.sum().backward(retain_graph=True)
-    assert [c[0] for c in calls] == ["ours", "user"] and torch.equal(calls[0][1], torch.ones(3))
-    h.remove()
-    calls.clear()
-    y.sum().backward()
-    assert [c[0] for c in calls] == ["ours"]
-    assert torch.equal(x.grad, torch.full((3,), 4.0))
-
-
-def test_deferred_read_detail_after_a_nonfinite_loss(tmp_path, monkeypatch):
+def test_deferred_read_detail_after_a_nonfinite_loss(tmp_path, deferred_read):
     """As test_detail_after_a_nonfinite_loss_wakes_the_hooks, with the host read deferred as on CUDA
     (a NaN loss is then seen inside a later step, when its backward starts): the detail steps start
     at the next boundary, every step marked recorded has its statistics, no other step has any."""
-    from ampdoctor import hostcopy
-    start = hostcopy.HostCopy.start
-
-    def start_as_cuda(self):
-        start(self)
-        self.on_cuda = True
-
-    monkeypatch.setattr(hostcopy.HostCopy, "start", start_as_cuda)
-    torch.manual_seed(0)
-    model = _model()
-
-    def make_x(i):
-        x = torch.randn(4, 8)
-        if i == 5:
-            x[0, 0] = float("inf")
-        return x
-
-    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite"), every=4):
-        train(model, 14, make_x=make_x, scaler=False, autocast=False, lr=0.0)
-    r = TraceReader(tmp_path / "t.sqlite")
-    recorded = {s["step"] for s in r.steps() if s["recorded"]}
+    recorded = _inf_at_step_5(tmp_path, 14)
     assert {0, 4, 8} <= recorded and not {1, 2, 3, 5, 6, 7} & recorded
     assert len(recorded - {0, 4, 8, 12}) >= 3  # the detail steps after the NaN loss
-    for kind in ("activation", "gradient", "weight_grad"):
-        assert {s["step"] for s in r.stats(kind=kind)} == recorded
