@@ -372,6 +372,8 @@ class Session:
             decision = self._flush_soon(rows, row_meta, flags, flag_meta, recorded)
         self.writer.commit()
         for w in self.watches:  # the next step's hooks: only a recorded step needs them
+            if recorded:
+                w.prune_pre_hooks()
             w.sleep(not self.recording)
             if self.recording:
                 w.snapshot_grads()

@@ -147,6 +147,12 @@ class Watch:
         self._removed = False
         self._fp32 = None
         self._stack: dict[int, list] = {}
+        self._vstack: dict[int, list] = {}
+        # Leaves that do not work in place lose their pre-hook once a recorded step has shown that
+        # their forward leaves its inputs unchanged: the post-hook then takes the input flags.
+        self._prunable: dict[int, tuple[Any, list]] = {}  # lid -> (pre-hook handle, own_in cell)
+        self._probed: set[int] = set()    # prunable leaves whose pre-hook ran this step
+        self._mutators: set[int] = set()  # leaves seen changing an input in place: keep their pre-hook
         self._sleepers: list[Any] = []  # handles of the hooks that only work on recorded steps
         self._asleep: list[tuple[Any, Any, Any, list]] | None = None  # (dict, key, hook, keys after it)
         root, notes = unwrap_model(model)
@@ -176,8 +182,13 @@ class Watch:
             lid = s.new_layer(full, type(mod).__name__, is_leaf, parent)
             ids[id(mod)] = lid
             stats = all_modules or is_leaf or has_own_params
-            self._sleepers.append(mod.register_forward_pre_hook(self._make_pre(lid, _inplace(mod))))
-            self._sleepers.append(mod.register_forward_hook(self._make_post(lid, stats), always_call=False))
+            inplace = _inplace(mod)
+            own_in = [False]  # True once the post-hook takes the input flags itself (see prune_pre_hooks)
+            pre = mod.register_forward_pre_hook(self._make_pre(lid, inplace, is_leaf and not inplace))
+            self._sleepers.append(pre)
+            if is_leaf and not inplace:
+                self._prunable[lid] = (pre, own_in)
+            self._sleepers.append(mod.register_forward_hook(self._make_post(lid, stats, own_in), always_call=False))
             if name == "" and s.config.oracle is not None:
                 self._handles.append(mod.register_forward_hook(self._root_output_check()))
             if stats:
@@ -227,12 +238,37 @@ class Watch:
         work.watch = self
         t.register_hook(work)
 
-    def _make_pre(self, lid: int, inplace: bool):
+    def _in_flag(self, lid: int, key: tuple, args: Any, call: int) -> tuple | None:
+        """The slots of this call's floating inputs (their NaN/Inf flag), and an input-gradient
+        flag request on those that need a gradient."""
+        s = self.session
+        if type(args) is tuple and len(args) == 1 and type(args[0]) is _Tensor:  # the common case
+            t = args[0]
+            flag = None
+            if t.dtype.is_floating_point and t.layout == _strided and not t.is_meta:
+                try:
+                    if t.numel():
+                        flag = (s._rows.slot_of(t, key),)
+                    if t.requires_grad:
+                        self._grad_work(t, ((True, lid, "gin", call),))
+                except Exception as e:  # pragma: no cover - as Session.flag_slots
+                    s.note_layer(lid, f"could not check in for NaN/Inf: {type(e).__name__}: {e}")
+            return flag
+        ins = _float_inputs(args)
+        flag = s.flag_slots(lid, "in", ins)
+        for t in ins:
+            if t.requires_grad:
+                self._grad_work(t, ((True, lid, "gin", call),))
+        return flag
+
+    def _make_pre(self, lid: int, inplace: bool, probe: bool):
         s = self.session
         stack: list = []
+        vstack: list = []
         layer = s.layers[lid]
-        grad_work = self._grad_work
+        in_flag = self._in_flag
         in_key = ((lid, "flag", "in"), 0)
+        probed = self._probed
 
         def pre(mod: nn.Module, args: Any) -> None:
             if _is_compiling():
@@ -241,40 +277,52 @@ class Watch:
                 return
             if layer.ord is None:
                 s.mark_order(lid)
-            if s.attributing:
-                if type(args) is tuple and len(args) == 1 and type(args[0]) is _Tensor:  # the common case
-                    t = args[0]
-                    flag = None
-                    if t.dtype.is_floating_point and t.layout == _strided and not t.is_meta:
-                        try:
-                            if t.numel():
-                                flag = (s._rows.slot_of(t, in_key),)
-                            if t.requires_grad:
-                                grad_work(t, ((True, lid, "gin", s._calls.get(lid, 0)),))
-                        except Exception as e:  # pragma: no cover - as Session.flag_slots
-                            s.note_layer(lid, f"could not check in for NaN/Inf: {type(e).__name__}: {e}")
-                    stack.append(flag)
+            if probe:  # does this leaf change its inputs in place? (see prune_pre_hooks)
+                probed.add(lid)
+                if type(args) is tuple and len(args) == 1 and type(args[0]) is _Tensor:
+                    vstack.append(((args[0], args[0]._version),))
                 else:
-                    ins = _float_inputs(args)
-                    stack.append(s.flag_slots(lid, "in", ins))
-                    call = None
-                    for t in ins:
-                        if t.requires_grad:
-                            if call is None:
-                                call = s._calls.get(lid, 0)
-                            grad_work(t, ((True, lid, "gin", call),))
+                    vstack.append([(t, t._version) for _, t in iter_tensors(args)])
+            if s.attributing:
+                stack.append(in_flag(lid, in_key, args, s._calls.get(lid, 0)))
             if inplace:
                 s.flush_rows()  # measure the waiting tensors before this module overwrites its input
 
         traced = self._eager(pre)
         self._stack[lid] = stack  # type: ignore[attr-defined]
+        self._vstack[lid] = vstack
         return self._guard(pre)
 
-    def _make_post(self, lid: int, record_stats: bool):
+    def prune_pre_hooks(self) -> None:
+        """At the end of a recorded step: leaves (not ``inplace``) whose pre-hook ran and whose
+        forward changed none of its tensor inputs in place lose their pre-hook; their post-hook takes
+        the input flags from then on (one hook call a module call instead of two). Not under
+        torch.compile (dynamo guards on the hook dicts)."""
+        probed, self._probed = self._probed, set()
+        if self._removed or self._compiled or not probed:
+            return
+        drop = []
+        for lid in probed:
+            self._vstack[lid].clear()  # (a forward that raised leaves its entry)
+            if lid in self._mutators or lid not in self._prunable:
+                continue
+            handle, own_in = self._prunable.pop(lid)
+            handle.remove()
+            own_in[0] = True
+            drop.append(handle)
+        if drop:
+            gone = set(map(id, drop))
+            self._sleepers = [h for h in self._sleepers if id(h) not in gone]
+            self._handles = [h for h in self._handles if id(h) not in gone]
+
+    def _make_post(self, lid: int, record_stats: bool, own_in: list):
         s = self.session
         stack = self._stack[lid]
+        vstack = self._vstack[lid]
         grad_work = self._grad_work
+        in_flag_of = self._in_flag
         layer = s.layers[lid]
+        in_key = ((lid, "flag", "in"), 0)
         out_key = ((lid, "flag", "out"), 0)
         act_key = (lid, "activation", "out")
 
@@ -289,6 +337,12 @@ class Watch:
             calls[lid] = call + 1
             if layer.ord is None:
                 s.mark_order(lid)
+            if vstack:  # the pre-hook's probe: did this forward change an input in place?
+                for t, v in vstack.pop():
+                    if t._version != v:
+                        self._mutators.add(lid)
+            if own_in[0] and s.attributing:  # no pre-hook any more: the input flags, from here
+                stack.append(in_flag_of(lid, in_key, args, call))
             if type(out) is _Tensor and out.dtype.is_floating_point and out.layout == _strided and not out.is_meta:
                 # the common case, one floating tensor: the same work as below, inline, and one hook
                 # request for both gradient entries

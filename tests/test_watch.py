@@ -96,11 +96,13 @@ def test_hooks_sleep_on_steps_not_recorded(tmp_path):
     assert list(model[2]._forward_hooks) == [early.id, *ours, late.id]
     seen = []
     for _ in range(5):
-        seen.append((len(model[0]._forward_pre_hooks), model[0].weight._post_accumulate_grad_hooks,
-                     list(model[2]._forward_hooks)))
+        seen.append((len(model[1]._forward_pre_hooks), len(model[0]._forward_pre_hooks),
+                     model[0].weight._post_accumulate_grad_hooks, list(model[2]._forward_hooks)))
         train(model, 1)
-    assert [s[:2] for s in seen] == [(1, None), (0, None), (0, None), (1, None), (0, None)]
-    assert seen[3][2] == [early.id, *ours, late.id] and seen[1][2] == [early.id, late.id]
+    # model[1] (ReLU(inplace=True)) keeps its pre-hook, asleep between recorded steps; model[0] (a
+    # leaf that changes no input) loses its pre-hook after the first recorded step
+    assert [s[:3] for s in seen] == [(1, 1, None), (0, 0, None), (0, 0, None), (1, 0, None), (0, 0, None)]
+    assert seen[3][3] == [early.id, *ours, late.id] and seen[1][3] == [early.id, late.id]
     assert calls.count("early") == calls.count("late") == 5
     w.remove()
     early.remove()
@@ -280,6 +282,38 @@ def test_first_nonfinite_producer_is_the_linear(tmp_path):
     ev = [e for e in TraceReader(tmp_path / "t.sqlite").events("first_nonfinite") if e["detail"]["kind"] == "activation"]
     assert ev and ev[0]["layer"] == "2"
     assert w.session.first_nonfinite is not None
+
+
+class _Doubler(nn.Module):
+    """A leaf that changes its input in place, with no ``inplace`` attribute."""
+
+    def forward(self, x):
+        x.mul_(2.0)
+        return x + 1.0
+
+
+def test_leaf_pre_hooks_go_after_the_first_recorded_step(tmp_path):
+    """Leaves that change no input lose their forward pre-hook after the first recorded step (their
+    post-hook takes the input flags); containers, ``inplace`` modules and a leaf seen changing its
+    input in place keep theirs; the flags still find the producer of an overflow, and remove()
+    restores everything."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), _Doubler(), nn.ReLU(inplace=True), nn.Linear(32, 32), nn.Tanh(),
+                          nn.Linear(32, 1))
+    before = _module_state(model)
+    with torch.no_grad():
+        model[3].weight.mul_(40)
+    w = ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite"))
+    pre = [len(m._forward_pre_hooks) for m in (model, *model)]
+    train(model, 1)
+    after = [len(m._forward_pre_hooks) for m in (model, *model)]
+    assert pre == [1] * 7
+    assert after == [1, 0, 1, 1, 0, 0, 0]
+    train(model, 6, make_x=lambda i: torch.randn(4, 8) * (8 ** i))
+    w.remove()
+    assert _module_state(model) == before
+    ev = [e for e in TraceReader(tmp_path / "t.sqlite").events("first_nonfinite") if e["detail"]["kind"] == "activation"]
+    assert ev and ev[0]["layer"] == "3" and ev[0]["step"] >= 1
 
 
 def test_first_nonfinite_in_a_container_own_op(tmp_path):
