@@ -9,7 +9,7 @@ at *flush points*:
   a batch past its budget may keep growing while the device's allocated memory stays a budget
   below that peak (:meth:`RowPolicy.room`): most of what a batch holds (forward outputs that
   autograd saves) is alive anyway, and memory under the peak training reaches on its own costs
-  nothing. It is checked again each time the batch grows by two budgets;
+  nothing. It is checked again each time the batch grows by four budgets;
 * a module with ``inplace=True`` (``nn.ReLU(inplace=True)``, dropout, ...) is about to run;
 * each backward pass ends (an autograd final callback): before ``GradScaler.unscale_``,
   gradient clipping or the next micro-batch change gradients in place;
@@ -101,7 +101,7 @@ class RowPolicy:
     @property
     def step(self) -> int:
         """How much a batch past its budget grows between two looks at the allocator."""
-        return 2 * self.budget
+        return 4 * self.budget
 
     def cuda_seen(self) -> None:
         if not self._cuda_tried:
@@ -121,7 +121,7 @@ class StepRows:
         self.n_slots = 0
         self.blocks: list[tuple[torch.Tensor, list[int]]] = []  # (rows on device, their slots)
         self.dropped: set[int] = set()
-        self._pending: list[tuple[int, torch.Tensor, int, Hashable, bool]] = []  # (.., measured)
+        self._pending: list[tuple[int, torch.Tensor, int, Hashable, bool, torch.device]] = []  # (.., measured, device)
         self._pending_bytes = 0
         self._check_at = policy.budget  # pending bytes at which the batch is flushed or let grow
         self._seen: dict[int, tuple[Any, int, int]] = {}  # id(t) -> (weakref, _version, slot)
@@ -152,7 +152,7 @@ class StepRows:
             self._see_device(dev)
         pol = self.policy
         measured = False
-        if EAGER or not pol.calibrated or key in pol.volatile:
+        if EAGER or not pol.calibrated or (pol.volatile and key in pol.volatile):
             try:
                 self.blocks.append((_stats.batch_stats([t], pol.fmt), [slot]))
             except Exception:
@@ -161,7 +161,7 @@ class StepRows:
             if pol.calibrated or EAGER:
                 return slot
             measured = True  # calibration: also wait in the batch, to learn whether it would go stale
-        self._pending.append((slot, t, ver, key, measured))
+        self._pending.append((slot, t, ver, key, measured, dev))
         self._pending_bytes += t.numel() * t.element_size() if nbytes is None else nbytes
         if self._pending_bytes > self._check_at:
             if pol.room(self._pending_bytes):
@@ -183,14 +183,12 @@ class StepRows:
             return
         start = self.n_slots
         self.n_slots += len(tensors)
-        pending = self._pending
-        for slot, t in enumerate(tensors, start):
-            if t.device not in self._devices:
-                self._see_device(t.device)
-            pending.append((slot, t, t._version, None, False))
+        devs = [t.device for t in tensors]
+        for dev in set(devs) - self._devices:
+            self._see_device(dev)
         self.meta.extend(metas)
         self.slots.extend(range(start, self.n_slots))
-        self.flush()
+        self.flush((tensors, range(start, self.n_slots), devs))
 
     def add_row(self, meta: tuple, t: torch.Tensor, key: Hashable) -> None:
         """A statistics row ``meta`` (whose last field is ``t``'s size in bytes) measuring ``t``."""
@@ -216,15 +214,16 @@ class StepRows:
         return out or None
 
     # -- flush points --------------------------------------------------------------------
-    def flush(self) -> None:
-        """Measure the waiting tensors now (kernel launches; no host sync)."""
-        if not self._pending:
+    def flush(self, now: tuple[Sequence[torch.Tensor], Sequence[int], list[torch.device]] | None = None) -> None:
+        """Measure the waiting tensors now (kernel launches; no host sync), with ``now``'s
+        (tensors, their slots, their devices): tensors handed over to be measured at once."""
+        if not self._pending and now is None:
             return
         pol = self.policy
         pending, self._pending, self._pending_bytes = self._pending, [], 0
         self._check_at = pol.budget
         by_dev: dict[torch.device, tuple[list, list]] = {}
-        for slot, t, ver, key, measured in pending:
+        for slot, t, ver, key, measured, dev in pending:
             if t._version != ver:
                 pol.volatile.add(key)
                 if not measured:
@@ -234,11 +233,22 @@ class StepRows:
                 continue
             if measured:
                 continue
-            group = by_dev.get(t.device)
+            group = by_dev.get(dev)
             if group is None:
-                group = by_dev[t.device] = ([], [])
+                group = by_dev[dev] = ([], [])
             group[0].append(t)  # batch_stats reads it without building a graph: no detach here
             group[1].append(slot)
+        if now is not None:
+            ts, ss, devs = now
+            if devs.count(devs[0]) == len(devs):  # all on one device
+                group = by_dev.setdefault(devs[0], ([], []))
+                group[0].extend(ts)
+                group[1].extend(ss)
+            else:
+                for t, slot, dev in zip(ts, ss, devs):
+                    group = by_dev.setdefault(dev, ([], []))
+                    group[0].append(t)
+                    group[1].append(slot)
         for ts, ss in by_dev.values():
             self._measure(ts, ss)
 

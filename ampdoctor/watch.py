@@ -106,7 +106,8 @@ class _GradWork(list):
         if w._removed or s.closed or grad is None:
             return
         try:
-            s._queue_backward_flush()
+            if s._bw_task != _graph_task_id():
+                s._queue_backward_flush()
             rows = s._rows
             n = grad.numel()
             slot = -1  # one slot for every entry: the same tensor, unchanged within this call
