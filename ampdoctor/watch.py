@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .session import Session, _dtype_name, get_session
-from .tensors import floating, iter_tensors
+from .tensors import _MAX_TENSORS, floating, iter_tensors
 
 log = logging.getLogger(__name__)
 
@@ -60,22 +60,53 @@ def _in_backward() -> bool:
     return _graph_task_id() != -1
 
 
+_SCALARS = (str, bytes, int, float, bool)
+_IDX = [str(i) for i in range(_MAX_TENSORS)]
+
+
+def _flat(items: tuple) -> list[tuple[str, torch.Tensor]] | None:
+    """``floating(iter_tensors(items))`` for a tuple of plain tensors, ``None`` and scalars (most
+    modules' arguments, and HF modules' tuple outputs), without the generic walk; ``None`` for any
+    other tuple (the caller walks it)."""
+    out = []
+    seen = 0
+    for i, a in enumerate(items):
+        ta = type(a)
+        if ta is _Tensor:
+            if seen == _MAX_TENSORS:
+                break
+            seen += 1
+            if a.dtype.is_floating_point and a.layout == _strided and not a.is_meta:
+                out.append((_IDX[i] if i < _MAX_TENSORS else str(i), a))
+        elif a is not None and ta not in _SCALARS:
+            return None
+    return out
+
+
 def _float_outputs(out: Any) -> list[tuple[str, torch.Tensor]]:
-    """``floating(iter_tensors(out))``, without the walk for the common plain-tensor output."""
+    """``floating(iter_tensors(out))``, without the walk for a plain tensor or a flat tuple."""
     if type(out) is _Tensor:
         if out.dtype.is_floating_point and out.layout == _strided and not out.is_meta:
             return [("out", out)]
         return []
+    if type(out) is tuple:
+        flat = _flat(out)
+        if flat is not None:
+            return flat
     return floating(iter_tensors(out))
 
 
 def _float_inputs(args: Any) -> list[torch.Tensor]:
-    """``[t for _, t in floating(iter_tensors(args))]``, without the walk for one plain tensor."""
-    if type(args) is tuple and len(args) == 1 and type(args[0]) is _Tensor:
-        t = args[0]
-        if t.dtype.is_floating_point and t.layout == _strided and not t.is_meta:
-            return [t]
-        return []
+    """``[t for _, t in floating(iter_tensors(args))]``, without the walk for a flat tuple."""
+    if type(args) is tuple:
+        if len(args) == 1 and type(args[0]) is _Tensor:
+            t = args[0]
+            if t.dtype.is_floating_point and t.layout == _strided and not t.is_meta:
+                return [t]
+            return []
+        flat = _flat(args)
+        if flat is not None:
+            return [t for _, t in flat]
     return [t for _, t in floating(iter_tensors(args))]
 
 

@@ -428,3 +428,27 @@ def test_deferred_read_detail_after_a_nonfinite_loss(tmp_path, deferred_read):
     recorded = _inf_at_step_5(tmp_path, 14)
     assert {0, 4, 8} <= recorded and not {1, 2, 3, 5, 6, 7} & recorded
     assert len(recorded - {0, 4, 8, 12}) >= 3  # the detail steps after the NaN loss
+
+
+def test_flat_tuple_fast_path_matches_the_walk():
+    """The inputs/outputs fast path for flat tuples gives what the generic walk gives: the same
+    tensors, slot names and order, with scalars, None, non-floating, meta and sparse tensors,
+    Parameters and nested containers (walked), past the 64-tensor cap."""
+    import random
+
+    from ampdoctor.tensors import floating, iter_tensors
+    from ampdoctor.watch import _float_inputs, _float_outputs
+    rnd = random.Random(0)
+    pool = [torch.randn(2), torch.randn(2).half(), torch.ones(2, dtype=torch.long), None, 3, 2.5, "s", True,
+            nn.Parameter(torch.randn(2)), [torch.randn(2)], {"a": torch.randn(2)}, torch.empty(2, device="meta"),
+            torch.randn(4).to_sparse()]
+    flat = 0
+    for _ in range(400):
+        k = rnd.randint(0, 70)
+        args = tuple(rnd.choice(pool) if rnd.random() < 0.2 else torch.randn(1) for _ in range(k))
+        ref = floating(iter_tensors(args))
+        assert [(n, id(t)) for n, t in _float_outputs(args)] == [(n, id(t)) for n, t in ref]
+        assert [id(t) for t in _float_inputs(args)] == [id(t) for _, t in ref]
+        flat += not any(isinstance(a, (list, dict, nn.Parameter)) for a in args)
+    assert 50 < flat < 400  # both paths were taken
+
