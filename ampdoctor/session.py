@@ -106,6 +106,7 @@ class Session:
         self._detail_left = 0
         self.attribution = Attribution(self.layers, self.writer)
         self._pending_scalars: list[tuple[int, dict]] = []
+        self._param_rows: dict[str, tuple] = {}  # kind -> (signature, row descriptions, kept entries)
         self._scaled_loss_active = False  # a GradScaler was seen: skipped steps are its business
         self._step_optimizer: int | None = None  # without a GradScaler, this optimizer's step ends a step
         self.last_output_nonfinite: tuple[int, Any] | None = None  # (step, device flag), trials only
@@ -207,12 +208,23 @@ class Session:
         anyway and nothing else asks for them this step."""
         if self.closed:
             return
-        metas, ts = [], []
-        for lid, pname, t in entries:
-            if t.is_floating_point() and t.layout == torch.strided:
-                n = t.numel()
-                metas.append((lid, kind, pname, 0, _dtype_name(t.dtype), n, n * t.element_size()))
-                ts.append(t)
+        ts = [e[2] for e in entries]
+        # the rows' descriptions change only with the entries, dtypes, sizes and layouts (cached:
+        # hundreds of parameters a step)
+        sig = ([(e[0], e[1]) for e in entries], [t.dtype for t in ts], [t.numel() for t in ts], [t.layout for t in ts])
+        cached = self._param_rows.get(kind)
+        if cached is not None and cached[0] == sig:
+            metas, keep = cached[1], cached[2]
+        else:
+            metas, keep = [], []
+            for i, (lid, pname, t) in enumerate(entries):
+                if t.is_floating_point() and t.layout == torch.strided:
+                    n = t.numel()
+                    metas.append((lid, kind, pname, 0, _dtype_name(t.dtype), n, n * t.element_size()))
+                    keep.append(i)
+            self._param_rows[kind] = (sig, metas, keep)
+        if len(keep) != len(ts):
+            ts = [ts[i] for i in keep]
         if not ts:
             return
         self._active = True
