@@ -452,3 +452,21 @@ def test_flat_tuple_fast_path_matches_the_walk():
         flat += not any(isinstance(a, (list, dict, nn.Parameter)) for a in args)
     assert 50 < flat < 400  # both paths were taken
 
+
+def test_weight_rows_follow_a_dtype_change(tmp_path):
+    """The weight rows' descriptions are kept between steps only while the parameters keep their
+    dtype and size: after ``model.double()`` the rows say float64."""
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")):
+        for i in range(4):
+            if i == 2:
+                model.double()
+            model(torch.randn(4, 8, dtype=torch.float64 if i >= 2 else torch.float32)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    rows = TraceReader(tmp_path / "t.sqlite").stats()
+    for kind in ("weight", "weight_grad"):
+        got = {(r["step"], r["dtype"]) for r in rows if r["kind"] == kind}
+        assert got == {(0, "float32"), (1, "float32"), (2, "float64"), (3, "float64")}, kind
+
