@@ -9,7 +9,7 @@ at *flush points*:
   a batch past its budget may keep growing while the device's allocated memory stays a budget
   below that peak (:meth:`RowPolicy.room`): most of what a batch holds (forward outputs that
   autograd saves) is alive anyway, and memory under the peak training reaches on its own costs
-  nothing. It is checked again each time the batch grows by four budgets;
+  nothing. It is checked again each time the batch grows by two budgets;
 * a module with ``inplace=True`` (``nn.ReLU(inplace=True)``, dropout, ...) is about to run;
 * each backward pass ends (an autograd final callback): before ``GradScaler.unscale_``,
   gradient clipping or the next micro-batch change gradients in place;
@@ -101,7 +101,7 @@ class RowPolicy:
     @property
     def step(self) -> int:
         """How much a batch past its budget grows between two looks at the allocator."""
-        return 4 * self.budget
+        return 2 * self.budget
 
     def cuda_seen(self) -> None:
         if not self._cuda_tried:
