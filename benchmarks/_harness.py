@@ -24,6 +24,7 @@ class Config:
 @dataclass
 class Result:
     ms: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)  # the process's CPU time per step (all threads), ms
     peak: list[int] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
 
@@ -95,13 +96,14 @@ def run_interleaved(step: Callable[[], None], configs: list[Config], *, rounds: 
                 sync()
                 if peak:
                     peak[0]()
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 n = c.steps or steps
                 for _ in range(n):
                     run()
                 sync()
                 dt = (time.perf_counter() - t0) / n * 1e3
                 results[c.name].ms.append(dt)
+                results[c.name].cpu.append((time.process_time() - c0) / n * 1e3)
                 if peak:
                     results[c.name].peak.append(peak[1]())
             finally:
@@ -110,6 +112,20 @@ def run_interleaved(step: Callable[[], None], configs: list[Config], *, rounds: 
             gc.collect()
         log(f"  round {r + 1}/{rounds}: " + "  ".join(f"{c.name} {results[c.name].ms[-1]:.1f}" for c in configs))
     return results
+
+
+def cpu_table(results: dict[str, Result], base: str = "baseline") -> str:
+    """The process's CPU time per step (``time.process_time``: every thread of the process, not
+    the trace's writer process), medians over rounds and paired with the baseline as ``table``.
+    Where the host is the bottleneck and shared, wall time moves with other tenants' load; CPU time
+    moves much less, so it shows the host work each configuration adds more steadily."""
+    b = statistics.median(results[base].cpu)
+    lines = ["| config | CPU ms/step | CPU ratio | paired CPU ratio |", "|---|---|---|---|"]
+    for name, res in results.items():
+        m = statistics.median(res.cpu)
+        paired = statistics.median(x / y for x, y in zip(res.cpu, results[base].cpu))
+        lines.append(f"| {name} | {m:.2f} | {m / b:.3f}x | {paired:.3f}x |")
+    return "\n".join(lines)
 
 
 def table(results: dict[str, Result], base: str = "baseline", *, extra_cols: tuple[str, ...] = ()) -> str:

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import (  # noqa: E402
     Config,
+    cpu_table,
     cuda_ms_per_call,
     hooks_only,
     import_revision,
@@ -342,6 +343,7 @@ def main() -> None:
             if c.name.startswith(("baseline", "ampdoctor")):
                 res[c.name].extra.update(count_syncs(step, c, args.sync_steps))
         print(table(res, extra_cols=("syncs/step", "DtoH/step", "sync warnings/step", "launches/step")), flush=True)
+        print("\n### host CPU time per step (all threads of the process)\n" + cpu_table(res), flush=True)
         if args.phases:
             print(f"\n### host time per phase ({args.phases} steps x 3 rounds, medians)")
             print(phase_times(step, [c for c in configs if c.name.startswith(("baseline", "ampdoctor", "every=", "hooks"))],
