@@ -32,19 +32,17 @@ def main() -> None:
         for rname, read in readers.items():
             got = []
             for evict in (False, True):
-                for _ in range(3):
-                    torch.matmul(a, w, out=y)
-                    if evict:
-                        big2.copy_(big)
-                    read(y)
-                torch.cuda.synchronize()
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(20):
+                def rounds(k: int, w=w, y=y, read=read, evict=evict) -> None:
+                    for _ in range(k):
                         torch.matmul(a, w, out=y)
                         if evict:
                             big2.copy_(big)
                         read(y)
                     torch.cuda.synchronize()
+
+                rounds(3)
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    rounds(20)
                 times = [e.device_time for e in prof.events() if e.device_type.name == "CUDA"
                          and ("stage1" in e.name or "reduce_kernel" in e.name)]
                 got.append(statistics.median(times))
