@@ -182,9 +182,11 @@ class Watch:
         self._vstack: dict[int, list] = {}
         # Leaves that do not work in place lose their pre-hook once a recorded step has shown that
         # their forward leaves its inputs unchanged: the post-hook then takes the input flags.
-        self._prunable: dict[int, tuple[Any, list]] = {}  # lid -> (pre-hook handle, own_in cell)
+        self._prunable: dict[int, tuple] = {}  # lid -> (pre-hook handle, own_in cell, module, hook)
+        self._pruned: dict[int, tuple] = {}    # lid -> (module, hook, own_in cell): pre-hook removed
         self._probed: set[int] = set()    # prunable leaves whose pre-hook ran this step
         self._mutators: set[int] = set()  # leaves seen changing an input in place: keep their pre-hook
+        self._restore: set[int] = set()   # pruned leaves whose input had changed since it was seen
         self._sleepers: list[Any] = []  # handles of the hooks that only work on recorded steps
         self._asleep: list[tuple[Any, Any, Any, list]] | None = None  # (dict, key, hook, keys after it)
         root, notes = unwrap_model(model)
@@ -216,10 +218,11 @@ class Watch:
             stats = all_modules or is_leaf or has_own_params
             inplace = _inplace(mod)
             own_in = [False]  # True once the post-hook takes the input flags itself (see prune_pre_hooks)
-            pre = mod.register_forward_pre_hook(self._make_pre(lid, inplace, is_leaf and not inplace))
+            pre_fn = self._make_pre(lid, inplace, is_leaf and not inplace)
+            pre = mod.register_forward_pre_hook(pre_fn)
             self._sleepers.append(pre)
             if is_leaf and not inplace:
-                self._prunable[lid] = (pre, own_in)
+                self._prunable[lid] = (pre, own_in, mod, pre_fn)
             self._sleepers.append(mod.register_forward_hook(self._make_post(lid, stats, own_in), always_call=False))
             if name == "" and s.config.oracle is not None:
                 self._handles.append(mod.register_forward_hook(self._root_output_check()))
@@ -270,14 +273,20 @@ class Watch:
         work.watch = self
         t.register_hook(work)
 
-    def _in_flag(self, lid: int, key: tuple, args: Any, call: int) -> tuple | None:
+    def _in_flag(self, lid: int, key: tuple, args: Any, call: int, post: bool = False) -> tuple | None:
         """The slots of this call's floating inputs (their NaN/Inf flag), and an input-gradient
-        flag request on those that need a gradient."""
+        flag request on those that need a gradient. ``post``: called after the forward (the leaf's
+        pre-hook was pruned): an input changed since it was last seen may have been changed by this
+        forward, so the pre-hook comes back from the next recorded step on."""
         s = self.session
         if type(args) is tuple and len(args) == 1 and type(args[0]) is _Tensor:  # the common case
             t = args[0]
             flag = None
             if t.dtype.is_floating_point and t.layout == _strided and not t.is_meta:
+                if post:
+                    hit = s._rows._seen.get(id(t))
+                    if hit is not None and hit[1] != t._version and hit[0]() is t:
+                        self._restore.add(lid)
                 try:
                     if t.numel():
                         flag = (s._rows.slot_of(t, key),)
@@ -287,6 +296,12 @@ class Watch:
                     s.note_layer(lid, f"could not check in for NaN/Inf: {type(e).__name__}: {e}")
             return flag
         ins = _float_inputs(args)
+        if post:
+            seen = s._rows._seen
+            for t in ins:
+                hit = seen.get(id(t))
+                if hit is not None and hit[1] != t._version and hit[0]() is t:
+                    self._restore.add(lid)
         flag = s.flag_slots(lid, "in", ins)
         for t in ins:
             if t.requires_grad:
@@ -329,18 +344,34 @@ class Watch:
         """At the end of a recorded step: leaves (not ``inplace``) whose pre-hook ran and whose
         forward changed none of its tensor inputs in place lose their pre-hook; their post-hook takes
         the input flags from then on (one hook call a module call instead of two). Not under
-        torch.compile (dynamo guards on the hook dicts)."""
+        torch.compile (dynamo guards on the hook dicts). A pruned leaf whose input was found changed
+        since it was last seen gets its pre-hook back (at the end of its module's pre-hooks), for
+        good."""
         probed, self._probed = self._probed, set()
-        if self._removed or self._compiled or not probed:
+        restore, self._restore = self._restore, set()
+        if self._removed:
+            return
+        for lid in restore:
+            got = self._pruned.pop(lid, None)
+            if got is None:
+                continue
+            mod, fn, own_in = got
+            handle = mod.register_forward_pre_hook(fn)
+            self._sleepers.append(handle)
+            self._handles.append(handle)
+            own_in[0] = False
+            self._mutators.add(lid)
+        if self._compiled or not probed:
             return
         drop = []
         for lid in probed:
             self._vstack[lid].clear()  # (a forward that raised leaves its entry)
             if lid in self._mutators or lid not in self._prunable:
                 continue
-            handle, own_in = self._prunable.pop(lid)
+            handle, own_in, mod, fn = self._prunable.pop(lid)
             handle.remove()
             own_in[0] = True
+            self._pruned[lid] = (mod, fn, own_in)
             drop.append(handle)
         if drop:
             gone = set(map(id, drop))
@@ -374,7 +405,7 @@ class Watch:
                     if t._version != v:
                         self._mutators.add(lid)
             if own_in[0] and s.attributing:  # no pre-hook any more: the input flags, from here
-                stack.append(in_flag_of(lid, in_key, args, call))
+                stack.append(in_flag_of(lid, in_key, args, call, True))
             if type(out) is _Tensor and out.dtype.is_floating_point and out.layout == _strided and not out.is_meta:
                 # the common case, one floating tensor: the same work as below, inline, and one hook
                 # request for both gradient entries
@@ -528,6 +559,8 @@ class Watch:
             h.remove()
         self._handles.clear()
         self._sleepers.clear()
+        self._prunable.clear()
+        self._pruned.clear()
         if self._fp32 is not None:
             self._fp32.remove()
             self._fp32 = None

@@ -316,6 +316,33 @@ def test_leaf_pre_hooks_go_after_the_first_recorded_step(tmp_path):
     assert ev and ev[0]["layer"] == "3" and ev[0]["step"] >= 1
 
 
+class _LateDoubler(nn.Module):
+    """A leaf that starts changing its input in place only when ``on`` is set."""
+
+    on = False
+
+    def forward(self, x):
+        if self.on:
+            x.mul_(2.0)
+        return x + 1.0
+
+
+def test_a_pruned_leaf_that_starts_changing_its_input_gets_its_pre_hook_back(tmp_path):
+    model = nn.Sequential(nn.Linear(8, 16), _LateDoubler(), nn.Linear(16, 1))
+    model[1].on = False
+    before = _module_state(model)
+    w = ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite"))
+    seen = []
+    for i in range(6):
+        model[1].on = i >= 3
+        train(model, 1)
+        seen.append(len(model[1]._forward_pre_hooks))
+    assert seen == [0, 0, 0, 1, 1, 1]
+    assert len(model[0]._forward_pre_hooks) == len(model[2]._forward_pre_hooks) == 0
+    w.remove()
+    assert _module_state(model) == before
+
+
 def test_first_nonfinite_in_a_container_own_op(tmp_path):
     """x*x inside a norm with no children, and q@k^T in an attention whose children stay finite."""
     torch.manual_seed(0)
