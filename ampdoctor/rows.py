@@ -125,6 +125,7 @@ class StepRows:
         self._pending_bytes = 0
         self._check_at = policy.budget  # pending bytes at which the batch is flushed or let grow
         self._seen: dict[int, tuple[Any, int, int]] = {}  # id(t) -> (weakref, _version, slot)
+        self.changed = 0  # look-ups that found a tensor changed in place since its slot was made
         self._devices: set[torch.device] = set()
 
     def __bool__(self) -> bool:
@@ -135,8 +136,12 @@ class StepRows:
         """The slot measuring ``t`` as it is now (no host sync). ``nbytes``: ``t``'s size in bytes
         when the caller knows it already."""
         hit = self._seen.get(id(t))
-        if hit is not None and hit[1] == t._version and hit[0]() is t:
-            return hit[2]
+        if hit is not None:
+            if hit[1] == t._version:
+                if hit[0]() is t:
+                    return hit[2]
+            elif hit[0]() is t:
+                self.changed += 1
         return self._new_slot(t, key, nbytes)
 
     def _new_slot(self, t: torch.Tensor, key: Hashable, nbytes: int | None = None) -> int:
@@ -206,10 +211,7 @@ class StepRows:
             t = tensors[0]
             if not t.numel():
                 return None
-            hit = self._seen.get(id(t))
-            if hit is not None and hit[1] == t._version and hit[0]() is t:
-                return (hit[2],)
-            return (self._new_slot(t, (key, 0)),)
+            return (self.slot_of(t, (key, 0)),)
         out = tuple(self.slot_of(t, (key, i)) for i, t in enumerate(tensors) if t.numel())
         return out or None
 

@@ -276,36 +276,30 @@ class Watch:
     def _in_flag(self, lid: int, key: tuple, args: Any, call: int, post: bool = False) -> tuple | None:
         """The slots of this call's floating inputs (their NaN/Inf flag), and an input-gradient
         flag request on those that need a gradient. ``post``: called after the forward (the leaf's
-        pre-hook was pruned): an input changed since it was last seen may have been changed by this
-        forward, so the pre-hook comes back from the next recorded step on."""
+        pre-hook was pruned): an input changed in place since its slot was made may have been
+        changed by this forward, so the pre-hook comes back from the next recorded step on."""
         s = self.session
+        rows = s._rows
+        changed = rows.changed
         if type(args) is tuple and len(args) == 1 and type(args[0]) is _Tensor:  # the common case
             t = args[0]
             flag = None
             if t.dtype.is_floating_point and t.layout == _strided and not t.is_meta:
-                if post:
-                    hit = s._rows._seen.get(id(t))
-                    if hit is not None and hit[1] != t._version and hit[0]() is t:
-                        self._restore.add(lid)
                 try:
                     if t.numel():
-                        flag = (s._rows.slot_of(t, key),)
+                        flag = (rows.slot_of(t, key),)
                     if t.requires_grad:
                         self._grad_work(t, ((True, lid, "gin", call),))
                 except Exception as e:  # pragma: no cover - as Session.flag_slots
                     s.note_layer(lid, f"could not check in for NaN/Inf: {type(e).__name__}: {e}")
-            return flag
-        ins = _float_inputs(args)
-        if post:
-            seen = s._rows._seen
+        else:
+            ins = _float_inputs(args)
+            flag = s.flag_slots(lid, "in", ins)
             for t in ins:
-                hit = seen.get(id(t))
-                if hit is not None and hit[1] != t._version and hit[0]() is t:
-                    self._restore.add(lid)
-        flag = s.flag_slots(lid, "in", ins)
-        for t in ins:
-            if t.requires_grad:
-                self._grad_work(t, ((True, lid, "gin", call),))
+                if t.requires_grad:
+                    self._grad_work(t, ((True, lid, "gin", call),))
+        if post and rows.changed != changed:
+            self._restore.add(lid)
         return flag
 
     def _make_pre(self, lid: int, inplace: bool, probe: bool):
@@ -404,8 +398,9 @@ class Watch:
                 for t, v in vstack.pop():
                     if t._version != v:
                         self._mutators.add(lid)
-            if own_in[0] and s.attributing:  # no pre-hook any more: the input flags, from here
-                stack.append(in_flag_of(lid, in_key, args, call, True))
+            in_flag = None
+            if s.attributing:  # the input flags: from the pre-hook, or here once it is gone
+                in_flag = in_flag_of(lid, in_key, args, call, True) if own_in[0] else stack.pop() if stack else None
             if type(out) is _Tensor and out.dtype.is_floating_point and out.layout == _strided and not out.is_meta:
                 # the common case, one floating tensor: the same work as below, inline, and one hook
                 # request for both gradient entries
@@ -415,7 +410,6 @@ class Watch:
                     slot = -1
                     gout = None
                     if s.attributing:
-                        in_flag = stack.pop() if stack else None
                         if in_flag is not None:
                             s._flags.append(in_flag)
                             s._flag_meta.append((lid, call, "in"))
@@ -441,7 +435,6 @@ class Watch:
                 return
             outs = _float_outputs(out)
             if s.attributing:
-                in_flag = stack.pop() if stack else None
                 if in_flag is not None:
                     s.add_flag(lid, call, "in", in_flag)
                 out_flag = s.flag_slots(lid, "out", [t for _, t in outs])
