@@ -57,6 +57,7 @@ def main(db: str, trace_py: str) -> int:
     out.flush()
     ncols = len(trace.STAT_COLUMNS)
     cache: dict = {}
+    meta: list = []
     status = 0
     try:
         while True:
@@ -72,7 +73,10 @@ def main(db: str, trace_py: str) -> int:
                     line, raw = payload.split(b"\n", 1)
                     h = json.loads(line)
                     rows = np.frombuffer(raw, dtype=np.float64).reshape(h["n"], h["w"])
-                    meta = [tuple(m) for m in h["meta"]]
+                    if h["meta"] is not None:  # None: the same row descriptions as the last step's
+                        meta = [tuple(m) for m in h["meta"]]
+                    if len(meta) != h["n"]:
+                        raise ValueError(f"{h['n']} rows for {len(meta)} row descriptions at step {h['step']}")
                     trace._insert_rows(con, trace._STATS_INSERT, ncols, trace.stat_rows(h["step"], meta, rows, h["nf"]), cache)
                 elif kind == b"Q":
                     q = json.loads(payload, object_hook=_blob)

@@ -193,6 +193,7 @@ class TraceWriter:
         self._dirty = False  # rows queued since the last commit marker
         self._error: BaseException | None = None
         self._child = _start_child(self.path) if os.environ.get(WRITER_ENV, "process") != "thread" else None
+        self._sent_meta: list | None = None  # the row descriptions the writer process holds (sent once while unchanged)
         if self._child is not None:
             _LIVE.add(self)
         self._thread = threading.Thread(target=self._loop, name="ampdoctor-trace-writer", daemon=True)
@@ -342,9 +343,14 @@ class TraceWriter:
         else:
             sql, rows = item
             if sql is _STAT_ROWS:
-                msg = b"".join(_message(b"S", json.dumps({"step": step, "meta": meta, "n": host.shape[0],
-                                                          "w": host.shape[1], "nf": nf}).encode() + b"\n" + host.tobytes())
-                               for step, meta, host, nf in rows)
+                parts = []
+                for step, meta, host, nf in rows:
+                    same = meta == self._sent_meta  # most steps record the same rows as the last one
+                    if not same:
+                        self._sent_meta = meta
+                    head = {"step": step, "meta": None if same else meta, "n": host.shape[0], "w": host.shape[1], "nf": nf}
+                    parts.append(_message(b"S", json.dumps(head).encode() + b"\n" + host.tobytes()))
+                msg = b"".join(parts)
             else:
                 msg = _message(b"Q", json.dumps({"sql": sql, "rows": rows}, default=_jsonable).encode())
         w.write(msg)

@@ -194,6 +194,83 @@ def hooks_only(model, *, read: bool = False) -> Config:
     return Config("read-once" if read else "hooks-only", setup)
 
 
+def measure_only(model, opt, fmt: str = "fp16") -> Config:
+    """Reference floor, not ampdoctor: what a step under ``watch`` measures, with the same
+    statistics kernels and no bookkeeping. A forward hook on every leaf module hands its floating
+    outputs to a batch and registers a tensor hook that hands over their gradient; the batch is
+    measured (``ampdoctor.stats.batch_stats``: one fused launch on CUDA) when it holds more than
+    ampdoctor's batch budget (CUDA: 3% of the peak memory so far, within 16 MiB..1 GiB) and before
+    the optimizer step, with the weight gradients; the weights after it. No slots, no
+    first-non-finite flags, no rows on the host, no trace; the results stay on the device (dropped
+    at the next step)."""
+    import torch
+
+    from ampdoctor import stats as _stats
+    from ampdoctor.formats import get_format
+
+    f = get_format(fmt)
+    leaves = [m for m in model.modules() if not any(True for _ in m.children())]
+    params = [p for p in model.parameters()]
+
+    def setup():
+        batch: list = []
+        held = [0]
+        blocks: list = []
+        handles = []
+        budget = 64 << 20
+        if torch.cuda.is_available() and torch.cuda.max_memory_allocated():
+            budget = int(min(1 << 30, max(16 << 20, 0.03 * torch.cuda.max_memory_allocated())))
+
+        def flush():
+            if batch:
+                blocks.append(_stats.batch_stats(batch, f))
+                batch.clear()
+                held[0] = 0
+
+        def take(t):
+            batch.append(t)
+            held[0] += t.numel() * t.element_size()
+            if held[0] > budget:
+                flush()
+
+        def post(mod, args, out):
+            outs = out if isinstance(out, tuple) else (out,)
+            for t in outs:
+                if isinstance(t, torch.Tensor) and t.dtype.is_floating_point:
+                    take(t)
+                    if t.requires_grad:
+                        t.register_hook(take)
+
+        for m in leaves:
+            handles.append(m.register_forward_hook(post))
+
+        def before_step(*_):
+            flush()
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads:
+                blocks.append(_stats.batch_stats(grads, f))
+
+        def after_step(*_):
+            blocks.append(_stats.batch_stats(params, f))
+
+        def new_step(*_):
+            flush()  # a step whose optimizer step was skipped (GradScaler)
+            blocks.clear()
+
+        handles += [opt.register_step_pre_hook(before_step), opt.register_step_post_hook(after_step),
+                    model.register_forward_pre_hook(new_step)]
+
+        def teardown():
+            for h in handles:
+                h.remove()
+            batch.clear()
+            blocks.clear()
+
+        return teardown
+
+    return Config("measure-only", setup)
+
+
 def cuda_ms_per_call(fn, n: int = 10, reps: int = 10) -> float:
     """Milliseconds per call of ``fn``: ``reps`` calls back to back between two CUDA events (so the
     host's launch work overlaps the GPU's, as in training), median of ``n``."""

@@ -29,6 +29,7 @@ from _harness import (  # noqa: E402
     cuda_ms_per_call,
     hooks_only,
     import_revision,
+    measure_only,
     revision_config,
     run_interleaved,
     table,
@@ -80,6 +81,7 @@ def build(batch: int, seq: int):
         if PHASES is not None:
             PHASES.append((t0, t1, t2, t3, time.perf_counter()))
 
+    step.opt = opt  # type: ignore[attr-defined]
     return model, step, desc
 
 
@@ -292,7 +294,8 @@ def main() -> None:
     p.add_argument("--profile", default=None, help="folder for every=1 profiles")
     p.add_argument("--kernel", action="store_true", help="also time the statistics kernel alone")
     p.add_argument("--floors", action="store_true",
-                   help="also the reference floors: hooks that only append, and hooks that read each tensor once")
+                   help="also the reference floors: hooks that only append, hooks that read each tensor once, "
+                        "and what a watch measures with no bookkeeping (measure-only)")
     p.add_argument("--ab", metavar="REV", default=None,
                    help="also every=1 and every=10 of the package at git revision REV, imported side by side")
     p.add_argument("--phases", type=int, default=0, metavar="STEPS",
@@ -319,7 +322,7 @@ def main() -> None:
             configs += [revision_config(f"every=1 at {args.ab}", old, model, 1),
                         revision_config(f"every=10 at {args.ab}", old, model, 10)]
         if args.floors:
-            configs += [hooks_only(model), hooks_only(model, read=True)]
+            configs += [hooks_only(model), hooks_only(model, read=True), measure_only(model, step.opt)]
         if args.ablations:
             configs += [watch_config("every=1, blocking read", model, 1, before=_no_defer, after=_defer)]
         if args.torch_path:

@@ -67,6 +67,28 @@ def test_raw_rows_round_trip_and_flush(tmp_path):
     assert w._child is None
 
 
+def test_row_descriptions_sent_once_while_unchanged(tmp_path):
+    """The writer process gets a step's row descriptions only when they differ from the last
+    step's; steps whose rows change (another row count, other sizes) and change back are written
+    with their own descriptions."""
+    w = TraceWriter(tmp_path / "t.sqlite")
+    assert w._child is not None
+    metas = []
+    for step, (n, numel) in enumerate([(5, 10), (5, 10), (6, 10), (6, 11), (5, 10), (5, 10)]):
+        meta, host = _rows(n, 12 + 42, step)
+        meta = [m[:5] + (numel, 2 * numel) for m in meta]
+        metas.append((step, meta, host))
+        w.add_stat_rows(step, [tuple(m) for m in meta], host, 12)
+    w.commit()
+    w.flush()
+    r = TraceReader(tmp_path / "t.sqlite")
+    got = sorted(tuple(s[c] for c in trace_mod.STAT_COLUMNS if c != "hist") + (s["hist"].tolist(),) for s in r.stats(with_hist=True))
+    want = sorted(row[:-1] + (np.frombuffer(row[-1], dtype="<i8").tolist(),)
+                  for step, meta, host in metas for row in stat_rows(step, meta, host, 12))
+    assert got == want and len(got) == 32
+    w.close()
+
+
 def test_no_writer_process_the_thread_writes(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "executable", str(tmp_path / "no-such-python"))
     w = TraceWriter(tmp_path / "t.sqlite")
