@@ -196,17 +196,19 @@ def hooks_only(model, *, read: bool = False) -> Config:
 
 def measure_only(model, opt, fmt: str = "fp16") -> Config:
     """Reference floor, not ampdoctor: what a step under ``watch`` measures, with the same
-    statistics kernels and no bookkeeping. A forward hook on every leaf module hands its floating
-    outputs to a batch and registers a tensor hook that hands over their gradient; the batch is
-    measured (``ampdoctor.stats.batch_stats``: one fused launch on CUDA) when it holds more than
-    ampdoctor's batch budget (CUDA: 3% of the peak memory so far, within 16 MiB..1 GiB) and before
-    the optimizer step, with the weight gradients; the weights after it. No slots, no
-    first-non-finite flags, no rows on the host, no trace; the results stay on the device (dropped
-    at the next step)."""
+    statistics kernels and batching, and no bookkeeping. A forward hook on every leaf module hands
+    its floating outputs to a batch and registers a tensor hook that hands over their gradient; the
+    batch is measured (``ampdoctor.stats.batch_stats``: one fused launch on CUDA) past ampdoctor's
+    batch budget (CUDA: 3% of the peak memory so far, within 16 MiB..1 GiB) unless, as ampdoctor's
+    batches do (``rows.RowPolicy.room``), it may keep growing while allocated memory stays two
+    budgets under that peak; and before the optimizer step, with the weight gradients; the weights
+    after it. No slots, no first-non-finite flags, no rows on the host, no trace; the results stay on
+    the device (dropped at the next step)."""
     import torch
 
     from ampdoctor import stats as _stats
     from ampdoctor.formats import get_format
+    from ampdoctor.rows import _allocated
 
     f = get_format(fmt)
     leaves = [m for m in model.modules() if not any(True for _ in m.children())]
@@ -218,20 +220,27 @@ def measure_only(model, opt, fmt: str = "fp16") -> Config:
         blocks: list = []
         handles = []
         budget = 64 << 20
+        peak = 0
         if torch.cuda.is_available() and torch.cuda.max_memory_allocated():
-            budget = int(min(1 << 30, max(16 << 20, 0.03 * torch.cuda.max_memory_allocated())))
+            peak = torch.cuda.max_memory_allocated()
+            budget = int(min(1 << 30, max(16 << 20, 0.03 * peak)))
+        check_at = [budget]
 
         def flush():
             if batch:
                 blocks.append(_stats.batch_stats(batch, f))
                 batch.clear()
                 held[0] = 0
+                check_at[0] = budget
 
         def take(t):
             batch.append(t)
             held[0] += t.numel() * t.element_size()
-            if held[0] > budget:
-                flush()
+            if held[0] > check_at[0]:
+                if peak and held[0] <= peak // 4 and _allocated(t.device) + 2 * budget <= peak:
+                    check_at[0] = held[0] + 2 * budget
+                else:
+                    flush()
 
         def post(mod, args, out):
             outs = out if isinstance(out, tuple) else (out,)
