@@ -141,3 +141,24 @@ def test_pure_half_model_without_watch_call_bisects(tmp_path):
                        timeout=300)
     res = json.loads((tmp_path / "r.json").read_text())
     assert res["verdict"] == "culprit" and res["culprits"] == ["head"], p.stdout + p.stderr
+
+
+def test_live_report_is_not_called_killed_and_counts_optimizer_steps(tmp_path):
+    # `print(w.report())` inside the training script, before remove(): the run is alive, not killed,
+    # and its optimizer steps so far are known from the timeline (the meta gets them only at close)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    w = ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite"))
+    try:
+        for _ in range(3):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        d = w.report().diagnosis
+        assert d.optimizer_steps == 3
+        assert not any("killed" in line for line in d.lines), d.lines
+        assert any("still in progress" in line for line in d.lines), d.lines
+    finally:
+        w.remove()
+    d = w.report().diagnosis
+    assert d.optimizer_steps == 3 and not any("progress" in line or "killed" in line for line in d.lines)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -250,12 +251,29 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict) -> Diagnosis
     if status == "crashed":
         lines.append(f"The script raised: {meta.get('error', '?')}")
     elif status == "running":
-        lines.append("The run did not finish (killed?): this shows every step committed before it stopped.")
+        if _written_by_this_process(meta):
+            # a live report (``w.report()`` while the watch is still on): nothing was killed
+            lines.append("The run is still in progress: this shows the steps recorded so far.")
+        else:
+            lines.append("The run did not finish (killed?): this shows every step committed before it stopped.")
+    # the session writes optimizer_steps into the meta when it closes; before that (a live report, a
+    # killed run) the last step's count in the timeline is the number so far
+    optimizer_steps = meta.get("optimizer_steps")
+    if optimizer_steps is None:
+        optimizer_steps = max((t.get("optimizer_steps") or 0 for t in timeline), default=0)
     return Diagnosis(
         broke=decision is not None, step=None if decision is None else decision.step,
         reason=None if decision is None else decision.reason, first_nonfinite=fn, lines=lines,
-        steps_seen=len(timeline), optimizer_steps=int(meta.get("optimizer_steps") or 0), skipped_steps=skipped,
+        steps_seen=len(timeline), optimizer_steps=int(optimizer_steps or 0), skipped_steps=skipped,
         first_loss_nonfinite=first_loss_bad)
+
+
+def _written_by_this_process(meta: dict) -> bool:
+    """Whether the trace is the one this very process is writing (a live ``Watch.report()``)."""
+    try:
+        return int(meta.get("pid")) == os.getpid()
+    except (TypeError, ValueError):
+        return False
 
 
 def _pick_first_nonfinite(events: list[dict], decision: Any) -> dict | None:
