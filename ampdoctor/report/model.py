@@ -13,7 +13,7 @@ import numpy as np
 
 from ..formats import Format, get_format
 from ..oracle import Decision, Oracle, OracleConfig, trailing_nonfinite_start
-from ..trace import TraceReader, find_traces
+from ..trace import TraceReader, _rank_of, find_traces
 
 KIND_TITLES = {
     "activation": "Activations (forward outputs)",
@@ -318,7 +318,13 @@ def _other_ranks(files: list[Path], shown: Path) -> list[str]:
 def build_report(path: str | Path, *, rank: int = 0) -> Report:
     """Read a trace file (or a run folder's rank-``rank`` trace) into a :class:`Report`."""
     files = find_traces(path)
-    trace = files[min(rank, len(files) - 1)]
+    trace = files[0]
+    if Path(path).is_dir():  # a run folder: the trace of rank ``rank`` (trace.rankN.sqlite), not the N-th file
+        ranks = {_rank_of(f)[0]: f for f in files}
+        if rank in ranks:
+            trace = ranks[rank]
+        elif rank != 0:  # (the default, rank 0, falls back to the lowest rank there)
+            raise ValueError(f"no trace of rank {rank} in {path}; ranks there: {', '.join(map(str, sorted(ranks)))}")
     with TraceReader(trace) as reader:
         meta = reader.meta()
         fmt = get_format(meta.get("format", "fp16"))
