@@ -162,3 +162,26 @@ def test_live_report_is_not_called_killed_and_counts_optimizer_steps(tmp_path):
         w.remove()
     d = w.report().diagnosis
     assert d.optimizer_steps == 3 and not any("progress" in line or "killed" in line for line in d.lines)
+
+
+def test_a_later_forward_nan_from_broken_weights_is_not_the_first_producer(tmp_path):
+    # fp16 autocast without a GradScaler and a badly weighted loss: the gradient entering the model from
+    # the loss overflows at step 0 (the forward is finite), SGD writes NaN into the weights, and every
+    # forward from step 1 on is NaN. The first non-finite value is that step-0 gradient, not the step-1
+    # output of the first layer "from finite inputs" (its weights were not finite), and keeping that
+    # layer in FP32 is not the fix.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")) as w:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(torch.randn(32, 16))
+            loss = out.float().mean() * 3e6
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    rep = w.report()
+    fn = rep.diagnosis.first_nonfinite
+    assert fn["step"] == 0 and fn["layer"] == "4" and fn.get("from_loss"), fn
+    assert not any("keep_fp32(model[0])" in a for a in rep.advice), rep.advice

@@ -232,6 +232,10 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict) -> Diagnosis
         if fn.get("input_nonfinite"):
             lines.append(f"First non-finite value: step {fn['step']}, the input of {fn['layer'] or '(root)'} was already "
                          "non-finite (the data, or code outside the watched model).")
+        elif fn["kind"] == "weight":
+            lines.append(f"First non-finite value: step {fn['step']}, the weights of {fn['layer'] or '(root)'}: the "
+                         "optimizer step made them non-finite (an overflowing update or weight gradient; with DDP, "
+                         "a non-finite gradient from another rank).")
         elif fn.get("from_loss"):
             lines.append(f"First non-finite value: step {fn['step']}, the gradient reaching {fn['layer'] or '(root)'} "
                          "from the loss" + (" (scaled by the GradScaler)." if fn.get("scaled") else "."))
@@ -282,10 +286,11 @@ def _pick_first_nonfinite(events: list[dict], decision: Any) -> dict | None:
     unscaled = [e for e in firsts if e["detail"].get("kind") != "activation" and not e["detail"].get("scaled")]
     grads = [e for e in events if e["kind"] == "grad_nonfinite"]
     pick = None
-    if fwd:
-        pick = fwd[0]
-    elif unscaled:
-        pick = unscaled[0]
+    if fwd or unscaled:
+        # the earliest; at the same step a forward output first. A later forward event is an echo of an
+        # earlier unscaled gradient/weight one (weights the optimizer step made non-finite give NaN outputs
+        # from the next forward on), never the producer
+        pick = min(fwd[:1] + unscaled[:1], key=lambda e: (e["step"], e["detail"].get("kind") != "activation"))
     elif grads and decision is not None and decision.reason in ("skipped_steps", "scale_collapse"):
         at = [e for e in grads if decision.step is None or e["step"] >= decision.step]
         pick = at[0] if at else grads[-1]
