@@ -185,3 +185,50 @@ def test_a_later_forward_nan_from_broken_weights_is_not_the_first_producer(tmp_p
     fn = rep.diagnosis.first_nonfinite
     assert fn["step"] == 0 and fn["layer"] == "4" and fn.get("from_loss"), fn
     assert not any("keep_fp32(model[0])" in a for a in rep.advice), rep.advice
+
+
+def test_grad_scaler_subclasses_with_their_own_scale_and_update(tmp_path):
+    # FSDP's ShardedGradScaler defines scale() and update() without calling GradScaler's: its scaled
+    # loss (x 65536) was taken for the loss, with no scale and no skipped steps. A subclass that does
+    # call the base class's methods must still make one step per update().
+    from collections import defaultdict
+
+    from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+    class OwnScaler(torch.amp.GradScaler):  # like ShardedGradScaler: never calls the base class's
+        def scale(self, outputs):
+            if self._scale is None:
+                self._lazy_init_scale_growth_tracker(outputs.device)
+            return outputs * self._scale.to(outputs.dtype)
+
+        def update(self, new_scale=None):  # a constant scale
+            self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    class SuperScaler(torch.amp.GradScaler):
+        def scale(self, outputs):
+            return super().scale(outputs)
+
+        def update(self, new_scale=None):
+            super().update(new_scale)
+
+    for cls in (OwnScaler, SuperScaler):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        scaler = cls("cpu", init_scale=1024.0)
+        path = tmp_path / f"{cls.__name__}.sqlite"
+        losses = []
+        with ampdoctor.watch(model, trace=str(path)):
+            for _ in range(3):
+                loss = model(torch.randn(2, 4)).pow(2).mean()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                losses.append(loss.item())
+        steps = TraceReader(path).steps()
+        assert [s["step"] for s in steps] == [0, 1, 2], (cls.__name__, steps)
+        assert [s["loss"] for s in steps] == pytest.approx(losses), cls.__name__
+        assert all(s["scale"] == 1024.0 and s["skipped"] == 0 for s in steps), (cls.__name__, steps)
+        # and their methods are their own again
+        assert not hasattr(cls.__dict__["scale"], "__wrapped__") and not hasattr(cls.__dict__["update"], "__wrapped__")
