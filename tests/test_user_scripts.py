@@ -232,3 +232,27 @@ def test_grad_scaler_subclasses_with_their_own_scale_and_update(tmp_path):
         assert all(s["scale"] == 1024.0 and s["skipped"] == 0 for s in steps), (cls.__name__, steps)
         # and their methods are their own again
         assert not hasattr(cls.__dict__["scale"], "__wrapped__") and not hasattr(cls.__dict__["update"], "__wrapped__")
+
+
+def test_gradient_calls_count_the_calls_that_had_a_gradient(tmp_path):
+    # a validation loop under no_grad between two optimizer steps: those forwards belong to the next
+    # step (20 more calls of every layer), but its one backward is one gradient per layer, not "x21"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step():
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")) as w:
+        step()
+        with torch.no_grad():
+            for _ in range(20):
+                model(torch.randn(4, 8))
+        step()
+    rep = w.report()
+    assert {r.calls for r in rep.rows("activation")} == {21}
+    assert {r.calls for r in rep.rows("gradient")} == {1}
+    assert {r.calls for r in rep.rows("weight_grad")} == {1}

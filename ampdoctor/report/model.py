@@ -148,7 +148,7 @@ def _aggregate(reader: TraceReader, fmt: Format, layers: dict[int, dict]) -> lis
         a = acc.get(key)
         if a is None:
             a = acc[key] = {"absmax": 0.0, "numel": 0, "overflow": 0, "subnormal": 0, "ftz": 0, "nan": 0, "inf": 0,
-                            "first_bad": None, "calls": 0, "dtypes": {}, "bytes": {}, "steps": set(),
+                            "first_bad": None, "calls": 0, "calls_at": {}, "dtypes": {}, "bytes": {}, "steps": set(),
                             "hist": np.zeros(fmt.n_bins, dtype=np.int64)}
         a["absmax"] = max(a["absmax"], s["absmax"] or 0.0)
         a["numel"] += s["numel"]
@@ -159,7 +159,11 @@ def _aggregate(reader: TraceReader, fmt: Format, layers: dict[int, dict]) -> lis
         a["inf"] += s["posinf"] + s["neginf"]
         if (s["nan"] or s["posinf"] or s["neginf"] or s["overflow"]) and a["first_bad"] is None:
             a["first_bad"] = s["step"]
-        a["calls"] = max(a["calls"], s["call"] + 1)
+        # calls per step with rows of this kind: a call index says how many forwards ran before it, not
+        # how many gave this kind (one backward after 20 no-grad validation forwards is call 20)
+        calls = a["calls_at"].setdefault(s["step"], set())
+        calls.add(s["call"])
+        a["calls"] = max(a["calls"], len(calls))
         a["dtypes"][s["dtype"]] = a["dtypes"].get(s["dtype"], 0) + 1
         a["bytes"][s["step"]] = a["bytes"].get(s["step"], 0) + s["bytes"]
         a["steps"].add(s["step"])
