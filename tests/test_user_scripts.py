@@ -256,3 +256,47 @@ def test_gradient_calls_count_the_calls_that_had_a_gradient(tmp_path):
     assert {r.calls for r in rep.rows("activation")} == {21}
     assert {r.calls for r in rep.rows("gradient")} == {1}
     assert {r.calls for r in rep.rows("weight_grad")} == {1}
+
+
+BUILT_BY_RUNNING_A_PART = '''
+import torch
+from torch import nn
+from torch.nn.utils.parametrizations import spectral_norm
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2))
+        with torch.no_grad():  # the usual way to size the next layer
+            n = self.features(torch.zeros(1, 3, 10, 10)).numel()
+        self.fc = spectral_norm(nn.Linear(n, 5))  # evaluates its parametrization once, here
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.features(x), 1))
+
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+for step in range(2):
+    model(torch.randn(2, 3, 10, 10)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+'''
+
+
+def test_auto_watch_takes_the_model_not_a_part_run_while_it_is_built(tmp_path):
+    # running `self.features` inside Net.__init__ (or spectral_norm's parametrization) made that part
+    # "the model": names 0, 1, 2 instead of features.0, ..., the real model second as Net:..., and the
+    # feature layers recorded twice
+    script = tmp_path / "cnn.py"
+    script.write_text(BUILT_BY_RUNNING_A_PART)
+    out = tmp_path / "run"
+    env = dict(os.environ)
+    env.pop("AMPDOCTOR_CONFIG", None)
+    p = subprocess.run([sys.executable, "-m", "ampdoctor", "run", "--out", str(out), str(script)], capture_output=True,
+                       text=True, cwd=ROOT, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    r = TraceReader(out / "trace.sqlite")
+    names = {lay["id"]: lay["name"] for lay in r.layers()}
+    recorded = {names[s["layer"]] for s in r.stats(kind="activation")}
+    assert {"features.0", "features.1", "features.2", "fc"} <= recorded, recorded
+    assert not any(":" in n for n in names.values()) and "0" not in recorded, sorted(names.values())
