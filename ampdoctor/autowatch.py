@@ -4,6 +4,7 @@ top-level module with parameters (the model) when the script never calls ``watch
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 from torch import nn
@@ -12,6 +13,21 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from .session import Session
 
 log = logging.getLogger(__name__)
+
+
+def _in_construction(module: nn.Module) -> bool:
+    """Whether this call runs while a model is being built, not trained: inside an ``nn.Module``'s
+    ``__init__`` (``n = self.features(torch.zeros(1, 3, 32, 32)).numel()`` to size the next layer), or a
+    parametrization evaluated as it is registered (``spectral_norm(layer)`` calls its
+    ``ParametrizationList``). The model is the module called after that, whose names users see."""
+    if type(module).__name__ == "ParametrizationList" and type(module).__module__.startswith("torch.nn.utils"):
+        return True
+    f = sys._getframe(2)
+    while f is not None:
+        if f.f_code.co_name == "__init__" and isinstance(f.f_locals.get("self"), nn.Module):
+            return True
+        f = f.f_back
+    return False
 
 
 class AutoWatch:
@@ -40,6 +56,8 @@ class AutoWatch:
         if next(module.parameters(), None) is None:
             self._known.add(id(module))  # loss functions and other parameter-free callables
             return
+        if _in_construction(module):
+            return  # not the model yet: a part of it run while it is built (not marked known: watched later)
         prefix = "" if not self._roots else self._prefix_for(root)
         w = Watch(module, self.session, all_modules=self.session.config.all_modules, prefix=prefix)
         self._roots.append(w)

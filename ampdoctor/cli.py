@@ -48,7 +48,8 @@ def main(verbose: int) -> None:
 def _report_options(f):
     f = click.option("--sort", type=click.Choice(["order", "worst"]), default="order", show_default=True,
                      help="Table order: execution order or worst first.")(f)
-    f = click.option("--top", type=int, default=None, help="Show only the first N rows of each table.")(f)
+    f = click.option("--top", type=click.IntRange(min=1), default=None,
+                     help="Show only the first N rows of each table.")(f)
     f = click.option("--only-bad", is_flag=True, help="Only layers with NaN/Inf/overflow/subnormal/flush.")(f)
     f = click.option("--match", default=None, help="Only layers whose name or type contains this text.")(f)
     f = click.option("--kinds", default="activation,gradient", show_default=True,
@@ -186,7 +187,8 @@ def _run_torchrun(script, args, cfg, out_dir: Path, nproc: int, table, json_path
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the report as JSON.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help="Write the HTML report.")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help="Write the per-layer table as CSV.")
-@click.option("--rank", type=int, default=0, show_default=True, help="Which rank's trace in a run folder.")
+@click.option("--rank", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Which rank's trace in a run folder.")
 @_report_options
 def report(path, json_path, html_path, csv_path, rank, sort, top, only_bad, match, kinds):
     """Print (and write) the report of a trace file or run folder. Needs only the trace."""

@@ -25,11 +25,22 @@ log = logging.getLogger(__name__)
 
 
 def _scaler_classes() -> list[type]:
+    """The GradScaler classes and their subclasses known now: a subclass with its own ``scale`` or
+    ``update`` (FSDP's ``ShardedGradScaler`` defines both, without calling the base class's) would
+    otherwise go unseen: its scaled loss taken for the loss, no scale, no skipped steps."""
     classes: list[type] = []
     for mod, name in ((torch.amp, "GradScaler"), (getattr(torch.cuda, "amp", None), "GradScaler")):
         cls = getattr(mod, name, None) if mod is not None else None
         if isinstance(cls, type) and cls not in classes:
             classes.append(cls)
+    i = 0
+    while i < len(classes):
+        try:
+            subs = type.__subclasses__(classes[i])
+        except TypeError:  # pragma: no cover
+            subs = []
+        classes.extend(c for c in subs if c not in classes)
+        i += 1
     return classes
 
 
@@ -40,6 +51,7 @@ class StepTracker:
         self._sink = sink
         self._saved: list[tuple[Any, str, Any, bool]] = []  # (owner, attr, original, was_own)
         self._opt_handle = None
+        self._inside: set[tuple[int, str]] = set()  # (id(scaler), method) of wrapped calls in progress
         self.installed = False
 
     def install(self) -> None:
@@ -84,25 +96,41 @@ class StepTracker:
 
     def _wrap_scale(self, orig: Callable) -> Callable:
         sink = self._sink
+        inside = self._inside
 
         @functools.wraps(orig)
         def scale(scaler: Any, outputs: Any) -> Any:
+            key = (id(scaler), "scale")
+            if key in inside:  # a subclass's scale() calling the base class's: seen once
+                return orig(scaler, outputs)
             if getattr(scaler, "_enabled", True) and isinstance(outputs, torch.Tensor):
                 sink.on_scaled_loss(scaler, outputs)
-            return orig(scaler, outputs)
+            inside.add(key)
+            try:
+                return orig(scaler, outputs)
+            finally:
+                inside.discard(key)
 
         return scale
 
     def _wrap_update(self, orig: Callable) -> Callable:
         sink = self._sink
+        inside = self._inside
 
         @functools.wraps(orig)
         def update(scaler: Any, new_scale: Any = None) -> Any:
-            if not getattr(scaler, "_enabled", True):  # GradScaler(enabled=False): the optimizer step ends it
+            key = (id(scaler), "update")
+            if not getattr(scaler, "_enabled", True) or key in inside:
+                # GradScaler(enabled=False): the optimizer step ends it; a subclass's update() calling the
+                # base class's: the outer call reports it
                 return orig(scaler, new_scale)
             before = getattr(scaler, "_scale", None)
             before = before.detach().clone() if isinstance(before, torch.Tensor) else None
-            result = orig(scaler, new_scale)
+            inside.add(key)
+            try:
+                result = orig(scaler, new_scale)
+            finally:
+                inside.discard(key)
             after = getattr(scaler, "_scale", None)
             sink.on_scaler_update(scaler, before, after if isinstance(after, torch.Tensor) else None)
             return result

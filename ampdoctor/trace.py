@@ -99,6 +99,51 @@ def _connect(path: str | os.PathLike) -> sqlite3.Connection:
     return con
 
 
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True  # exists (another user's), or cannot tell: assume alive
+    return True
+
+
+def _discard_old_trace(path: Path) -> None:
+    """A new trace starts empty: a trace already at ``path`` from an earlier run (the same
+    ``--out`` or ``watch(trace=...)`` used twice) is removed, or its steps, rows and events would be
+    read back as this run's. Left alone while the process that writes it is still running (a
+    spawned DataLoader worker that re-runs the script's ``watch()`` must not wipe its parent's
+    trace). A file that is not an ampdoctor trace is never touched: that is an error."""
+    if not path.exists():
+        return
+    if path.stat().st_size:
+        meta = None
+        try:
+            con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
+            try:
+                meta = dict(con.execute("SELECT key, value FROM meta").fetchall())
+            finally:
+                con.close()
+        except sqlite3.Error:
+            pass
+        if meta is None or "schema_version" not in meta:
+            raise ValueError(f"{path} exists and is not an ampdoctor trace; pass another trace path "
+                             "(ampdoctor does not overwrite it)")
+        try:
+            pid = int(meta.get("pid") or 0)
+        except ValueError:
+            pid = 0
+        if meta.get("status") == "running" and pid and pid != os.getpid() and _pid_alive(pid):
+            log.warning("ampdoctor trace: %s is being written by process %d; adding to it", path, pid)
+            return
+    for suffix in ("", "-wal", "-shm"):
+        try:
+            Path(f"{path}{suffix}").unlink()
+        except FileNotFoundError:
+            pass
+
+
 WRITER_ENV = "AMPDOCTOR_TRACE_WRITER"  # "process" (default) or "thread"
 _CHILD = Path(__file__).with_name("_trace_child.py")
 
@@ -183,6 +228,7 @@ class TraceWriter:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _discard_old_trace(self.path)
         con = _connect(self.path)
         con.executescript(_SCHEMA)
         con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))

@@ -125,3 +125,18 @@ def test_run_under_torchrun_one_trace_per_rank(tmp_path, device):
     assert any(n.startswith("rank 1 (trace.rank1.sqlite): Training broke") for n in report["notes"])
     r1 = amp("report", out, "--rank", "1")
     assert r1.returncode == 0 and "trace.rank1.sqlite" in r1.stdout
+
+
+def test_report_rank_is_the_rank_not_the_nth_file_and_top_must_be_positive(tmp_path):
+    out = tmp_path / "run"
+    amp("run", "--out", out, "--max-steps", "2", SCRIPTS / "no_watch_overflow.py")
+    # a torchrun folder where rank 1 left no trace: rank 2 is the second file, not rank 1's
+    (out / "trace.sqlite").rename(out / "trace.rank2.sqlite")
+    (out / "trace.rank0.sqlite").write_bytes((out / "trace.rank2.sqlite").read_bytes())
+    r = amp("report", out, "--rank", "1")
+    assert r.returncode != 0 and "no trace of rank 1" in r.stderr and "0, 2" in r.stderr and "Traceback" not in r.stderr
+    r = amp("report", out, "--rank", "2")
+    assert r.returncode == 0 and "trace.rank2.sqlite" in r.stdout, r.stderr
+    for top in ("-1", "0"):  # rows[:-1] silently dropped the last row of each table
+        r = amp("report", out, "--top", top)
+        assert r.returncode == 2 and "--top" in r.stderr

@@ -156,3 +156,35 @@ def test_a_writer_process_that_never_gets_ready_loses_nothing(tmp_path, monkeypa
     w.close()
     r = TraceReader(tmp_path / "t.sqlite")
     assert len(r.stats()) == 3 and r.meta()["status"] == "running"
+
+
+def test_a_second_run_into_the_same_trace_starts_empty(tmp_path):
+    # `ampdoctor run --out DIR` twice, or `watch(model, trace="run.sqlite")` in a script run twice: the
+    # first run's rows, steps and events (its "Training broke at step ...") must not be read as the second's
+    path = tmp_path / "run.sqlite"
+
+    def one_run(scale):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        with ampdoctor.watch(model, trace=str(path)) as w:
+            for _ in range(3):
+                model(torch.randn(2, 4) * scale).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        return w.report()
+
+    broken = one_run(1e20)  # its activations overflow and its weights go non-finite
+    assert broken.diagnosis.broke
+    healthy = one_run(1.0)
+    assert not healthy.diagnosis.broke, healthy.diagnosis.lines
+    assert max(r.absmax for r in healthy.rows("activation")) < 100
+    assert len(TraceReader(path).stats(kind="activation")) == 2 * 3
+
+
+def test_a_file_that_is_not_a_trace_is_never_overwritten(tmp_path):
+    path = tmp_path / "model.pt"
+    path.write_bytes(b"not a trace" * 100)
+    with pytest.raises(ValueError, match="not an ampdoctor trace"):
+        TraceWriter(path)
+    assert path.read_bytes() == b"not a trace" * 100

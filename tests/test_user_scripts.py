@@ -141,3 +141,162 @@ def test_pure_half_model_without_watch_call_bisects(tmp_path):
                        timeout=300)
     res = json.loads((tmp_path / "r.json").read_text())
     assert res["verdict"] == "culprit" and res["culprits"] == ["head"], p.stdout + p.stderr
+
+
+def test_live_report_is_not_called_killed_and_counts_optimizer_steps(tmp_path):
+    # `print(w.report())` inside the training script, before remove(): the run is alive, not killed,
+    # and its optimizer steps so far are known from the timeline (the meta gets them only at close)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    w = ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite"))
+    try:
+        for _ in range(3):
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        d = w.report().diagnosis
+        assert d.optimizer_steps == 3
+        assert not any("killed" in line for line in d.lines), d.lines
+        assert any("still in progress" in line for line in d.lines), d.lines
+    finally:
+        w.remove()
+    d = w.report().diagnosis
+    assert d.optimizer_steps == 3 and not any("progress" in line or "killed" in line for line in d.lines)
+
+
+def test_a_later_forward_nan_from_broken_weights_is_not_the_first_producer(tmp_path):
+    # fp16 autocast without a GradScaler and a badly weighted loss: the gradient entering the model from
+    # the loss overflows at step 0 (the forward is finite), SGD writes NaN into the weights, and every
+    # forward from step 1 on is NaN. The first non-finite value is that step-0 gradient, not the step-1
+    # output of the first layer "from finite inputs" (its weights were not finite), and keeping that
+    # layer in FP32 is not the fix.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")) as w:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(torch.randn(32, 16))
+            loss = out.float().mean() * 3e6
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    rep = w.report()
+    fn = rep.diagnosis.first_nonfinite
+    assert fn["step"] == 0 and fn["layer"] == "4" and fn.get("from_loss"), fn
+    assert not any("keep_fp32(model[0])" in a for a in rep.advice), rep.advice
+
+
+def test_grad_scaler_subclasses_with_their_own_scale_and_update(tmp_path):
+    # FSDP's ShardedGradScaler defines scale() and update() without calling GradScaler's: its scaled
+    # loss (x 65536) was taken for the loss, with no scale and no skipped steps. A subclass that does
+    # call the base class's methods must still make one step per update().
+    from collections import defaultdict
+
+    from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+    class OwnScaler(torch.amp.GradScaler):  # like ShardedGradScaler: never calls the base class's
+        def scale(self, outputs):
+            if self._scale is None:
+                self._lazy_init_scale_growth_tracker(outputs.device)
+            return outputs * self._scale.to(outputs.dtype)
+
+        def update(self, new_scale=None):  # a constant scale
+            self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    class SuperScaler(torch.amp.GradScaler):
+        def scale(self, outputs):
+            return super().scale(outputs)
+
+        def update(self, new_scale=None):
+            super().update(new_scale)
+
+    for cls in (OwnScaler, SuperScaler):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        scaler = cls("cpu", init_scale=1024.0)
+        path = tmp_path / f"{cls.__name__}.sqlite"
+        losses = []
+        with ampdoctor.watch(model, trace=str(path)):
+            for _ in range(3):
+                loss = model(torch.randn(2, 4)).pow(2).mean()
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                losses.append(loss.item())
+        steps = TraceReader(path).steps()
+        assert [s["step"] for s in steps] == [0, 1, 2], (cls.__name__, steps)
+        assert [s["loss"] for s in steps] == pytest.approx(losses), cls.__name__
+        assert all(s["scale"] == 1024.0 and s["skipped"] == 0 for s in steps), (cls.__name__, steps)
+        # and their methods are their own again
+        assert not hasattr(cls.__dict__["scale"], "__wrapped__") and not hasattr(cls.__dict__["update"], "__wrapped__")
+
+
+def test_gradient_calls_count_the_calls_that_had_a_gradient(tmp_path):
+    # a validation loop under no_grad between two optimizer steps: those forwards belong to the next
+    # step (20 more calls of every layer), but its one backward is one gradient per layer, not "x21"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def step():
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")) as w:
+        step()
+        with torch.no_grad():
+            for _ in range(20):
+                model(torch.randn(4, 8))
+        step()
+    rep = w.report()
+    assert {r.calls for r in rep.rows("activation")} == {21}
+    assert {r.calls for r in rep.rows("gradient")} == {1}
+    assert {r.calls for r in rep.rows("weight_grad")} == {1}
+
+
+BUILT_BY_RUNNING_A_PART = '''
+import torch
+from torch import nn
+from torch.nn.utils.parametrizations import spectral_norm
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.features = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2))
+        with torch.no_grad():  # the usual way to size the next layer
+            n = self.features(torch.zeros(1, 3, 10, 10)).numel()
+        self.fc = spectral_norm(nn.Linear(n, 5))  # evaluates its parametrization once, here
+
+    def forward(self, x):
+        return self.fc(torch.flatten(self.features(x), 1))
+
+model = Net()
+opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+for step in range(2):
+    model(torch.randn(2, 3, 10, 10)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+'''
+
+
+def test_auto_watch_takes_the_model_not_a_part_run_while_it_is_built(tmp_path):
+    # running `self.features` inside Net.__init__ (or spectral_norm's parametrization) made that part
+    # "the model": names 0, 1, 2 instead of features.0, ..., the real model second as Net:..., and the
+    # feature layers recorded twice
+    script = tmp_path / "cnn.py"
+    script.write_text(BUILT_BY_RUNNING_A_PART)
+    out = tmp_path / "run"
+    env = dict(os.environ)
+    env.pop("AMPDOCTOR_CONFIG", None)
+    p = subprocess.run([sys.executable, "-m", "ampdoctor", "run", "--out", str(out), str(script)], capture_output=True,
+                       text=True, cwd=ROOT, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    r = TraceReader(out / "trace.sqlite")
+    names = {lay["id"]: lay["name"] for lay in r.layers()}
+    recorded = {names[s["layer"]] for s in r.stats(kind="activation")}
+    assert {"features.0", "features.1", "features.2", "fc"} <= recorded, recorded
+    assert not any(":" in n for n in names.values()) and "0" not in recorded, sorted(names.values())

@@ -23,7 +23,8 @@ def culprits(report: Report) -> tuple[list[str], str]:
     if b.get("verdict") in ("not_precision", "healthy"):
         return [], ""  # bisect showed that forcing FP32 is not the fix
     fn = report.diagnosis.first_nonfinite
-    if fn and not fn.get("input_nonfinite") and not fn.get("from_loss") and fn.get("layer") is not None:
+    if fn and not fn.get("input_nonfinite") and not fn.get("from_loss") and fn.get("kind") != "weight" \
+            and fn.get("layer") is not None:
         return [fn["layer"] or "(root)"], "first_nonfinite"
     return [], ""
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ import numpy as np
 
 from ..formats import Format, get_format
 from ..oracle import Decision, Oracle, OracleConfig, trailing_nonfinite_start
-from ..trace import TraceReader, find_traces
+from ..trace import TraceReader, _rank_of, find_traces
 
 KIND_TITLES = {
     "activation": "Activations (forward outputs)",
@@ -147,7 +148,7 @@ def _aggregate(reader: TraceReader, fmt: Format, layers: dict[int, dict]) -> lis
         a = acc.get(key)
         if a is None:
             a = acc[key] = {"absmax": 0.0, "numel": 0, "overflow": 0, "subnormal": 0, "ftz": 0, "nan": 0, "inf": 0,
-                            "first_bad": None, "calls": 0, "dtypes": {}, "bytes": {}, "steps": set(),
+                            "first_bad": None, "calls": 0, "calls_at": {}, "dtypes": {}, "bytes": {}, "steps": set(),
                             "hist": np.zeros(fmt.n_bins, dtype=np.int64)}
         a["absmax"] = max(a["absmax"], s["absmax"] or 0.0)
         a["numel"] += s["numel"]
@@ -158,7 +159,11 @@ def _aggregate(reader: TraceReader, fmt: Format, layers: dict[int, dict]) -> lis
         a["inf"] += s["posinf"] + s["neginf"]
         if (s["nan"] or s["posinf"] or s["neginf"] or s["overflow"]) and a["first_bad"] is None:
             a["first_bad"] = s["step"]
-        a["calls"] = max(a["calls"], s["call"] + 1)
+        # calls per step with rows of this kind: a call index says how many forwards ran before it, not
+        # how many gave this kind (one backward after 20 no-grad validation forwards is call 20)
+        calls = a["calls_at"].setdefault(s["step"], set())
+        calls.add(s["call"])
+        a["calls"] = max(a["calls"], len(calls))
         a["dtypes"][s["dtype"]] = a["dtypes"].get(s["dtype"], 0) + 1
         a["bytes"][s["step"]] = a["bytes"].get(s["step"], 0) + s["bytes"]
         a["steps"].add(s["step"])
@@ -231,6 +236,10 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict) -> Diagnosis
         if fn.get("input_nonfinite"):
             lines.append(f"First non-finite value: step {fn['step']}, the input of {fn['layer'] or '(root)'} was already "
                          "non-finite (the data, or code outside the watched model).")
+        elif fn["kind"] == "weight":
+            lines.append(f"First non-finite value: step {fn['step']}, the weights of {fn['layer'] or '(root)'}: the "
+                         "optimizer step made them non-finite (an overflowing update or weight gradient; with DDP, "
+                         "a non-finite gradient from another rank).")
         elif fn.get("from_loss"):
             lines.append(f"First non-finite value: step {fn['step']}, the gradient reaching {fn['layer'] or '(root)'} "
                          "from the loss" + (" (scaled by the GradScaler)." if fn.get("scaled") else "."))
@@ -250,12 +259,29 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict) -> Diagnosis
     if status == "crashed":
         lines.append(f"The script raised: {meta.get('error', '?')}")
     elif status == "running":
-        lines.append("The run did not finish (killed?): this shows every step committed before it stopped.")
+        if _written_by_this_process(meta):
+            # a live report (``w.report()`` while the watch is still on): nothing was killed
+            lines.append("The run is still in progress: this shows the steps recorded so far.")
+        else:
+            lines.append("The run did not finish (killed?): this shows every step committed before it stopped.")
+    # the session writes optimizer_steps into the meta when it closes; before that (a live report, a
+    # killed run) the last step's count in the timeline is the number so far
+    optimizer_steps = meta.get("optimizer_steps")
+    if optimizer_steps is None:
+        optimizer_steps = max((t.get("optimizer_steps") or 0 for t in timeline), default=0)
     return Diagnosis(
         broke=decision is not None, step=None if decision is None else decision.step,
         reason=None if decision is None else decision.reason, first_nonfinite=fn, lines=lines,
-        steps_seen=len(timeline), optimizer_steps=int(meta.get("optimizer_steps") or 0), skipped_steps=skipped,
+        steps_seen=len(timeline), optimizer_steps=int(optimizer_steps or 0), skipped_steps=skipped,
         first_loss_nonfinite=first_loss_bad)
+
+
+def _written_by_this_process(meta: dict) -> bool:
+    """Whether the trace is the one this very process is writing (a live ``Watch.report()``)."""
+    try:
+        return int(meta.get("pid")) == os.getpid()
+    except (TypeError, ValueError):
+        return False
 
 
 def _pick_first_nonfinite(events: list[dict], decision: Any) -> dict | None:
@@ -264,10 +290,11 @@ def _pick_first_nonfinite(events: list[dict], decision: Any) -> dict | None:
     unscaled = [e for e in firsts if e["detail"].get("kind") != "activation" and not e["detail"].get("scaled")]
     grads = [e for e in events if e["kind"] == "grad_nonfinite"]
     pick = None
-    if fwd:
-        pick = fwd[0]
-    elif unscaled:
-        pick = unscaled[0]
+    if fwd or unscaled:
+        # the earliest; at the same step a forward output first. A later forward event is an echo of an
+        # earlier unscaled gradient/weight one (weights the optimizer step made non-finite give NaN outputs
+        # from the next forward on), never the producer
+        pick = min(fwd[:1] + unscaled[:1], key=lambda e: (e["step"], e["detail"].get("kind") != "activation"))
     elif grads and decision is not None and decision.reason in ("skipped_steps", "scale_collapse"):
         at = [e for e in grads if decision.step is None or e["step"] >= decision.step]
         pick = at[0] if at else grads[-1]
@@ -300,7 +327,13 @@ def _other_ranks(files: list[Path], shown: Path) -> list[str]:
 def build_report(path: str | Path, *, rank: int = 0) -> Report:
     """Read a trace file (or a run folder's rank-``rank`` trace) into a :class:`Report`."""
     files = find_traces(path)
-    trace = files[min(rank, len(files) - 1)]
+    trace = files[0]
+    if Path(path).is_dir():  # a run folder: the trace of rank ``rank`` (trace.rankN.sqlite), not the N-th file
+        ranks = {_rank_of(f)[0]: f for f in files}
+        if rank in ranks:
+            trace = ranks[rank]
+        elif rank != 0:  # (the default, rank 0, falls back to the lowest rank there)
+            raise ValueError(f"no trace of rank {rank} in {path}; ranks there: {', '.join(map(str, sorted(ranks)))}")
     with TraceReader(trace) as reader:
         meta = reader.meta()
         fmt = get_format(meta.get("format", "fp16"))
