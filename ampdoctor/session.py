@@ -412,6 +412,8 @@ class Session:
                 self._detail_left = DETAIL_AFTER_ANOMALY
                 if not self._mid_step:  # the next step is recorded (mid-step: from the next boundary on)
                     self.recording = True
+                    # and attributed (_reset_step decided that for a step that was not to be recorded)
+                    self.attributing = not self.attribution.done(self._scaled_loss_active)
             if self._oracle is not None and decision is None:
                 params_finite = None
                 if s == step and recorded:

@@ -51,6 +51,7 @@ _graph_task_id = torch._C._current_graph_task_id
 _compiler = getattr(torch, "compiler", None)
 _disable = getattr(_compiler, "disable", None)
 _is_compiling = getattr(_compiler, "is_compiling", None) or (lambda: False)
+_inference_mode = torch.is_inference_mode_enabled
 _weakref = weakref.ref
 _Tensor = torch.Tensor
 _strided = torch.strided
@@ -188,7 +189,7 @@ class Watch:
         self._mutators: set[int] = set()  # leaves seen changing an input in place: keep their pre-hook
         self._restore: set[int] = set()   # pruned leaves whose input had changed since it was seen
         self._sleepers: list[Any] = []  # handles of the hooks that only work on recorded steps
-        self._asleep: list[tuple[Any, Any, Any, list]] | None = None  # (dict, key, hook, keys after it)
+        self._asleep: list[tuple] | None = None  # (dict, key, hook, keys before it, keys after it)
         root, notes = unwrap_model(model)
         self.root = root
         self._compiled = any("torch.compile" in n for n in notes)
@@ -252,12 +253,18 @@ class Watch:
                 d = h.hooks_dict_ref()
                 if d is not None and h.id in d:
                     keys = list(d)
-                    self._asleep.append((d, h.id, d.pop(h.id), keys[keys.index(h.id) + 1:]))
+                    i = keys.index(h.id)
+                    self._asleep.append((d, h.id, d.pop(h.id), set(keys[:i]), set(keys[i + 1:])))
             return
-        for d, key, hook, after in self._asleep:
+        for d, key, hook, before, after in self._asleep:
+            # ours goes back right after the hooks that ran before it: the hooks registered after ours,
+            # also those registered while it slept, run after it again, in their order; hooks prepended
+            # meanwhile (``prepend=True``: ahead of every hook there when it slept) stay in front
+            keys = list(d)
+            first_old = next((i for i, k in enumerate(keys) if k in before or k in after), 0)
             d[key] = hook
-            for k in after:  # hooks registered after ours run after ours again
-                if k in d:
+            for k in keys[first_old:]:
+                if k not in before:
                     d.move_to_end(k)
         self._asleep = None
 
@@ -314,8 +321,8 @@ class Watch:
         def pre(mod: nn.Module, args: Any) -> None:
             if _is_compiling():
                 return traced(mod, args)
-            if not s.recording or self._removed or _graph_task_id() != -1:
-                return
+            if not s.recording or self._removed or _graph_task_id() != -1 or _inference_mode():
+                return  # (inference tensors have no version counter: evaluation under inference_mode is not recorded)
             if layer.ord is None:
                 s.mark_order(lid)
             if probe:  # does this leaf change its inputs in place? (see prune_pre_hooks)
@@ -386,7 +393,7 @@ class Watch:
         def post(mod: nn.Module, args: Any, out: Any) -> None:
             if _is_compiling():
                 return traced(mod, args, out)
-            if not s.recording or self._removed or s.closed or _graph_task_id() != -1:
+            if not s.recording or self._removed or s.closed or _graph_task_id() != -1 or _inference_mode():
                 return  # (a forward inside backward is activation checkpointing recomputing it)
             s._active = True  # this module's call number this step
             calls = s._calls

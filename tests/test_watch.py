@@ -497,3 +497,89 @@ def test_weight_rows_follow_a_dtype_change(tmp_path):
         got = {(r["step"], r["dtype"]) for r in rows if r["kind"] == kind}
         assert got == {(0, "float32"), (1, "float32"), (2, "float64"), (3, "float64")}, kind
 
+
+
+def test_hooks_registered_while_asleep_keep_their_order(tmp_path):
+    """every=2: a forward hook a user registers while the watch's hooks sleep (step 1) runs after
+    the watch's once they are back (step 2), as registration order says, so the recorded activation
+    is the module's own output; one registered with prepend=True meanwhile stays in front."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    handles, seen = [], []
+
+    def make_x(i):
+        if i == 1:
+            handles.append(model[0].register_forward_hook(lambda m, a, o: o * 1000.0))
+            handles.append(model[0].register_forward_hook(lambda m, a, o: None, prepend=True))
+        seen.append(list(model[0]._forward_hooks))
+        return torch.randn(4, 8)
+
+    early = model[0].register_forward_hook(lambda m, a, o: None)
+    w = ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite"), every=2)
+    ours = [k for k in model[0]._forward_hooks if k != early.id]
+    train(model, 3, make_x=make_x, scaler=False, autocast=False, lr=0.0)
+    w.remove()
+    late, first = handles
+    assert seen[0] == [early.id, *ours] and seen[1] == [first.id, early.id, late.id]  # step 1: asleep
+    assert seen[2] == [first.id, early.id, *ours, late.id], (seen, first.id, late.id)
+    for h in (early, late, first):
+        h.remove()
+    r = TraceReader(tmp_path / "t.sqlite")
+    names = {v["id"]: v["name"] for v in r.layers()}
+    rows = [s for s in r.stats(kind="activation") if names[s["layer"]] == "0"]
+    assert [s["step"] for s in rows] == [0, 2]
+    assert rows[1]["absmax"] < 100 * rows[0]["absmax"]  # the module's own output, not x1000
+
+
+def test_inference_mode_forwards_are_not_recorded(tmp_path):
+    """A forward under torch.inference_mode() (a sanity-check evaluation before training, between
+    steps, or a model only ever run that way) runs as without the watch: inference tensors have no
+    version counter. Training around it is recorded as usual."""
+    torch.manual_seed(0)
+    model = _model()
+    x = torch.randn(4, 8)
+    with torch.inference_mode():
+        want = model(x)
+    w = ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite"))
+    with torch.inference_mode():
+        got = model(x)
+    train(model, 2)
+    with torch.inference_mode():
+        model(x)
+    train(model, 1)
+    w.remove()
+    assert torch.equal(got, want)
+    r = TraceReader(tmp_path / "t.sqlite")
+    rows = r.stats(kind="activation")
+    assert {s["step"] for s in rows} == {0, 1, 2}
+    assert max(s["call"] for s in rows) == 0  # the inference forwards added no calls
+    assert not [e for e in r.events("note")]
+
+
+def test_detail_step_after_a_nonfinite_loss_is_attributed(tmp_path):
+    """every=5: the loss is non-finite at step 3, which is not recorded; when step 5's boundary reads
+    it, the steps after it are recorded in full, and the first of them (6), which produces an Inf
+    again, names the producer (before, it was recorded but not attributed, and no event came)."""
+    class Boost(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.factor = 1.0
+
+        def forward(self, x):
+            return x * self.factor
+
+    torch.manual_seed(0)
+    boost = Boost()
+    model = nn.Sequential(nn.Linear(8, 8), boost, nn.Linear(8, 1))
+
+    def make_x(i):
+        boost.factor = 1e39 if i in (3, 6) else 1.0  # x * 1e39 is Inf in fp32 from finite inputs
+        return torch.randn(4, 8)
+
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite"), every=5):
+        train(model, 11, make_x=make_x, autocast=False)  # GradScaler: the Inf steps are skipped
+    r = TraceReader(tmp_path / "t.sqlite")
+    recorded = [s["step"] for s in r.steps() if s["recorded"]]
+    assert recorded[:5] == [0, 5, 6, 7, 8] and 4 not in recorded
+    ev = [e for e in r.events("first_nonfinite") if e["detail"]["kind"] == "activation"]
+    assert ev and ev[0]["step"] == 6 and ev[0]["layer"] == "1", ev
