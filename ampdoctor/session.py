@@ -114,6 +114,7 @@ class Session:
         self._bw_task = -2  # the backward pass whose end flushes the batch (see _queue_backward_flush)
         self._deferred: list[tuple] = []  # recorded steps whose host copy is in flight (CUDA)
         self._mid_step = False  # writing a deferred step from inside the next one (see on_backward)
+        self.trained = False  # a backward pass ran: forwards with gradients disabled are evaluation from now on
         self._prefetched: _HostCopy | None = None
         self._reset_step()
 
@@ -296,6 +297,7 @@ class Session:
     # -- what the step tracker reports -----------------------------------------------------
     def on_backward(self, tensors: Any) -> None:
         self._active = True
+        self.trained = True
         if self._deferred:
             self._write_deferred()
         if self.recording:  # the weight gradients are read where this backward pass ends

@@ -235,8 +235,9 @@ def test_grad_scaler_subclasses_with_their_own_scale_and_update(tmp_path):
 
 
 def test_gradient_calls_count_the_calls_that_had_a_gradient(tmp_path):
-    # a validation loop under no_grad between two optimizer steps: those forwards belong to the next
-    # step (20 more calls of every layer), but its one backward is one gradient per layer, not "x21"
+    # a sanity-check loop under no_grad before the first training step (recorded: no backward has run
+    # yet) makes the training forward call 20 of every layer, but its one backward is one gradient per
+    # layer, not "x21"; the same loop once training has started is evaluation, not recorded
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -246,16 +247,22 @@ def test_gradient_calls_count_the_calls_that_had_a_gradient(tmp_path):
         opt.step()
         opt.zero_grad()
 
-    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")) as w:
-        step()
+    def validate():
         with torch.no_grad():
             for _ in range(20):
                 model(torch.randn(4, 8))
+
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")) as w:
+        validate()
+        step()
+        validate()
         step()
     rep = w.report()
     assert {r.calls for r in rep.rows("activation")} == {21}
     assert {r.calls for r in rep.rows("gradient")} == {1}
     assert {r.calls for r in rep.rows("weight_grad")} == {1}
+    steps = {s["step"]: s["call"] for s in TraceReader(tmp_path / "t.sqlite").stats(kind="activation")}
+    assert steps == {0: 20, 1: 0}  # the largest call index per step
 
 
 BUILT_BY_RUNNING_A_PART = '''

@@ -583,3 +583,79 @@ def test_detail_step_after_a_nonfinite_loss_is_attributed(tmp_path):
     assert recorded[:5] == [0, 5, 6, 7, 8] and 4 not in recorded
     ev = [e for e in r.events("first_nonfinite") if e["detail"]["kind"] == "activation"]
     assert ev and ev[0]["step"] == 6 and ev[0]["layer"] == "1", ev
+
+
+def test_evaluation_forwards_are_not_recorded_into_training_steps(tmp_path):
+    """Once training has started, a call of the model with gradients disabled (validation under
+    torch.no_grad()) is evaluation: not recorded, so the training step's rows keep the training
+    forward's dtypes, values and call count. A no-grad region inside the training forward (a frozen
+    part run under torch.no_grad(), reentrant checkpointing) is still recorded, with a note that it
+    has no gradient rows; no-grad calls before any training (an inference-only watch) are recorded."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.frozen = nn.Linear(8, 8)
+            self.body = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 1)
+
+        def forward(self, x):
+            with torch.no_grad():
+                x = self.frozen(x)
+            return self.head(torch.relu(self.body(x)))
+
+    torch.manual_seed(0)
+    model = Net()
+    path = tmp_path / "t.sqlite"
+    val = torch.full((4, 8), 1000.0)
+
+    def make_x(i):
+        with torch.no_grad():  # validation before each training step (fp32, other values)
+            model(val)
+        return torch.randn(4, 8)
+
+    w = ampdoctor.watch(model, trace=str(path))
+    with torch.no_grad():
+        model(val)  # before any training: recorded (step 0, call 0)
+    train(model, 3, make_x=make_x)
+    w.remove()
+    r = TraceReader(path)
+    names = {v["id"]: v["name"] for v in r.layers()}
+    rows = r.stats(kind="activation")
+    calls = {}
+    for s in rows:
+        calls.setdefault((s["step"], names[s["layer"]]), []).append(s["call"])
+    # step 0: the inference-only call and the validation call before the first backward, then training
+    assert calls[(0, "body")] == [0, 1, 2]
+    assert calls[(1, "body")] == [0] and calls[(2, "body")] == [0]  # validation after training started: not recorded
+    assert calls[(1, "frozen")] == [0]  # the frozen part of the training forward: recorded
+    assert {s["dtype"] for s in rows if s["step"] > 0 and names[s["layer"]] == "body"} == {"float16"}
+    notes = [e for e in r.events("note") if e["layer"] == "frozen"]
+    assert len(notes) == 1 and "gradients disabled" in notes[0]["detail"]["message"]
+    assert not [e for e in r.events("note") if e["layer"] in ("body", "head")]
+    assert {names[s["layer"]] for s in r.stats(kind="gradient")} == {"body", "head"}
+
+
+def test_reentrant_checkpoint_is_recorded_with_a_note(tmp_path):
+    """checkpoint(..., use_reentrant=True) runs its segment with gradients disabled inside the
+    training forward: the segment's outputs are recorded each step, and a note says there are no
+    gradient rows for them."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.b(checkpoint(self.a, x, use_reentrant=True))
+
+    torch.manual_seed(0)
+    model = Net()
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")):
+        train(model, 3, make_x=lambda i: torch.randn(4, 8, requires_grad=True), autocast=False)
+    r = TraceReader(tmp_path / "t.sqlite")
+    names = {v["id"]: v["name"] for v in r.layers()}
+    assert sorted(s["step"] for s in r.stats(kind="activation") if names[s["layer"]] == "a") == [0, 1, 2]
+    notes = [e for e in r.events("note") if e["layer"] == "a"]
+    assert len(notes) == 1 and "use_reentrant" in notes[0]["detail"]["message"]
