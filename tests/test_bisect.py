@@ -152,3 +152,16 @@ def test_jobs_and_repeat(tmp_path):
     assert res["verdict"] == "culprit" and res["culprits"] == ["net.2"], p.stdout + p.stderr
     lines = [ln for ln in p.stderr.splitlines() if ln.startswith("trial ")]
     assert [int(ln.split()[1]) for ln in lines] == list(range(1, len(lines) + 1))  # each trial numbered once
+
+
+def test_fix_snippets_for_autocast_and_pure_half_models():
+    from ampdoctor.bisect.driver import fix_snippets
+
+    types = {"blocks.1.fc1": "Linear", "head": "Linear", "blocks.0": "Block"}
+    amp = fix_snippets(["blocks.1.fc1", "blocks.0"], types, [])
+    assert "ampdoctor.keep_fp32(model.blocks[1].fc1)" in amp[0]
+    assert "autocast(device_type, enabled=False)" in amp[1] and "Block.forward" in amp[3]
+    half = fix_snippets(["head", "blocks.0"], types, [], {"head": "float16", "blocks.0.fc1": "bfloat16"})
+    plain = [a for a in half if a.startswith("Plain PyTorch")]
+    assert len(plain) == 2 and all("autocast(" not in a and ".float()" in a for a in plain), plain
+    assert "float16" in plain[0] and "bfloat16" in plain[1] and "model.head(x.float()).to(x.dtype)" in plain[0]

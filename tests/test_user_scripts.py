@@ -141,6 +141,9 @@ def test_pure_half_model_without_watch_call_bisects(tmp_path):
                        timeout=300)
     res = json.loads((tmp_path / "r.json").read_text())
     assert res["verdict"] == "culprit" and res["culprits"] == ["head"], p.stdout + p.stderr
+    # no autocast in a pure .half() model: the plain-PyTorch fix casts the module and its input
+    plain = [a for a in res["advice"] if a.startswith("Plain PyTorch")]
+    assert plain and all(".float()" in a and "autocast(" not in a for a in plain), res["advice"]
 
 
 def test_live_report_is_not_called_killed_and_counts_optimizer_steps(tmp_path):

@@ -15,6 +15,7 @@ class Baseline:
     hints: list[str]                      # most likely culprits first
     first_nonfinite: dict | None
     types: dict[str, str] = field(default_factory=dict)
+    half_weights: dict[str, str] = field(default_factory=dict)  # layer -> dtype of its float16/bfloat16 weights
 
 
 def _parent_of(name: str, names: set[str]) -> str | None:
@@ -36,6 +37,7 @@ def read_baseline(trace: str | Path) -> Baseline:
         layers = [lay for lay in r.layers() if lay["ord"] is not None]
         by_id = {lay["id"]: lay for lay in layers}
         acts = r.stats(kind="activation")
+        weights = r.stats(kind="weight")
         events = r.events("first_nonfinite")
     layers.sort(key=lambda lay: lay["ord"])
     names = [lay["name"] for lay in layers]
@@ -70,4 +72,8 @@ def read_baseline(trace: str | Path) -> Baseline:
         e = (fwd or events)[0]
         first = {"layer": e["layer"], "kind": e["detail"].get("kind"), "step": e["step"]}
     types = {lay["name"]: lay["type"] for lay in layers}
-    return Baseline(candidates=cands, parent=parent, hints=hints, first_nonfinite=first, types=types)
+    # weights stored in half precision: a pure .half()/.bfloat16() model, where autocast is not the fix
+    half = {by_id[s["layer"]]["name"]: s["dtype"] for s in weights
+            if s["dtype"] in ("float16", "bfloat16") and s["layer"] in by_id}
+    return Baseline(candidates=cands, parent=parent, hints=hints, first_nonfinite=first, types=types,
+                    half_weights=half)

@@ -75,15 +75,25 @@ def _ops_from(trace: Path, culprits: Sequence[str]) -> list[dict]:
     return ops
 
 
-def fix_snippets(culprits: Sequence[str], types: dict[str, str], ops: list[dict]) -> list[str]:
+def fix_snippets(culprits: Sequence[str], types: dict[str, str], ops: list[dict],
+                 half_weights: dict[str, str] | None = None) -> list[str]:
+    """The fix for each culprit (``keep_fp32`` and its plain-PyTorch equivalent: autocast off around
+    it, or, where its weights are stored in half precision (``half_weights``: a pure ``.half()``
+    model, no autocast to turn off), the module in FP32 with its input and output cast), and what
+    the drill-down's first ops say."""
     import torch.nn as nn
 
     advice = []
+    half_weights = half_weights or {}
     for c in culprits:
         path = module_expr(c)
         kind = types.get(c, "module")
         advice.append(f"Keep {c or 'the whole model'} ({kind}) in FP32: ampdoctor.keep_fp32({path})")
-        if isinstance(getattr(nn, kind, None), type):
+        half = [dt for n, dt in half_weights.items() if c == "" or n == c or n.startswith(c + ".")]
+        if half:
+            advice.append(f"Plain PyTorch (its weights are {half[0]}: no autocast to turn off): `{path}.float()` once "
+                          f"(before building the optimizer), and where it is called `y = {path}(x.float()).to(x.dtype)`")
+        elif isinstance(getattr(nn, kind, None), type):
             advice.append(f"Plain PyTorch: where {path} is called, `with torch.autocast(device_type, enabled=False): "
                           f"y = {path}(x.float())`")
         else:
@@ -203,7 +213,7 @@ def run_bisect(script: str | None, args: Sequence[str], out: Path, opts: BisectO
         d = record(runner.run("drill-down", [], pass_after=None, probe=culprits))
         ops = _ops_from(Path(d.folder) / "trace.sqlite", culprits)
     result["ops"] = ops
-    result["advice"] = fix_snippets(culprits, bl.types, ops)
+    result["advice"] = fix_snippets(culprits, bl.types, ops, bl.half_weights)
     if opts.drill:
         for c in culprits:
             if not any(o["layer"] == c or o["layer"].startswith(c + ".") or c == "" for o in ops if o["phase"] == "forward"):
