@@ -96,4 +96,5 @@ def bisect(train_fn: Callable[[], Any], *, format: str = "fp16", out: str | Path
                          repeat=repeat, drill=drill)
     runner = InProcessRunner(train_fn, out_dir, seed=seed, fmt=format, oracle=opts.oracle.to_dict(),
                              max_steps=max_steps)
-    return run_bisect(None, [], out_dir, opts, progress=progress, runner=runner)
+    from .driver import _clean
+    return _clean(run_bisect(None, [], out_dir, opts, progress=progress, runner=runner))  # as bisect.json: no Inf/NaN
