@@ -126,6 +126,10 @@ class Session:
             p = Path(tempfile.mkdtemp(prefix="ampdoctor-")) / "trace.sqlite"
         if self.rank:
             p = p.with_name(f"{p.stem}.rank{self.rank}{p.suffix}")
+        if not self.config.trace:  # the user did not choose it: say where it goes (once per session, on
+            # stderr: the package's logger has no handler unless the user configures logging)
+            print(f"ampdoctor: recording to {p} (w.report(), or `ampdoctor report {p}`; watch(trace=...) "
+                  "chooses the path)", file=sys.stderr)
         return p
 
     def attach(self, watch: Any) -> None:

@@ -659,3 +659,15 @@ def test_reentrant_checkpoint_is_recorded_with_a_note(tmp_path):
     assert sorted(s["step"] for s in r.stats(kind="activation") if names[s["layer"]] == "a") == [0, 1, 2]
     notes = [e for e in r.events("note") if e["layer"] == "a"]
     assert len(notes) == 1 and "use_reentrant" in notes[0]["detail"]["message"]
+
+
+def test_a_trace_path_not_chosen_is_printed_once(tmp_path, capsys):
+    model = _model()
+    w = ampdoctor.watch(model)
+    train(model, 1)
+    w.remove()
+    err = capsys.readouterr().err
+    assert err.count("ampdoctor: recording to") == 1 and str(w.trace_path) in err
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")):
+        train(model, 1)
+    assert "recording to" not in capsys.readouterr().err
