@@ -40,6 +40,7 @@ from _models import Encoder  # noqa: E402
 import ampdoctor  # noqa: E402
 from ampdoctor import session as session_mod  # noqa: E402
 from ampdoctor import stats_cuda  # noqa: E402
+from ampdoctor.attribution import Attribution  # noqa: E402
 
 SYNC_APIS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
 
@@ -161,6 +162,19 @@ def _no_defer():
 
 def _defer():
     session_mod.DEFER_HOST_READ = True
+
+
+_DONE = Attribution.done
+
+
+def _no_flags():
+    """No first-non-finite attribution (no input/output flags, so no tensor measured for a flag
+    alone: a residual sum no module outputs, its gradient): what the flags cost."""
+    Attribution.done = lambda self, scaled: True
+
+
+def _flags():
+    Attribution.done = _DONE
 
 
 def count_syncs(step, config: Config, n: int) -> dict:
@@ -287,7 +301,7 @@ def main() -> None:
     p.add_argument("--steps", default="10,20", help="timed steps per round, per regime (multiples of 10)")
     p.add_argument("--slow-steps", type=int, default=3, help="timed steps per round for the slow tools")
     p.add_argument("--no-others", action="store_true", help="skip HF DebugUnderflowOverflow and detect_anomaly")
-    p.add_argument("--ablations", action="store_true", help="also every=1 with a blocking host read")
+    p.add_argument("--ablations", action="store_true", help="also every=1 with a blocking host read, and with no attribution flags")
     p.add_argument("--torch-path", action="store_true",
                    help="also every=1 with the torch-ops statistics (slow: minutes per step at B=128 T=512)")
     p.add_argument("--sync-steps", type=int, default=10)
@@ -324,7 +338,8 @@ def main() -> None:
         if args.floors:
             configs += [hooks_only(model), hooks_only(model, read=True), measure_only(model, step.opt)]
         if args.ablations:
-            configs += [watch_config("every=1, blocking read", model, 1, before=_no_defer, after=_defer)]
+            configs += [watch_config("every=1, blocking read", model, 1, before=_no_defer, after=_defer),
+                        watch_config("every=1, no attribution flags", model, 1, before=_no_flags, after=_flags)]
         if args.torch_path:
             configs += [watch_config("every=1, torch path", model, 1, before=_torch_path, after=_fused_path)]
         if not args.no_others:
