@@ -112,14 +112,21 @@ for step in range(3):
 '''
 
 
-def test_second_auto_watched_model_is_named_by_its_class(tmp_path):
-    script = tmp_path / "gan.py"
-    script.write_text(SECOND_MODEL)
+def _run_script(tmp_path, name: str, source: str):
+    """``ampdoctor run --out tmp_path/run`` on a script with ``source`` (outside any trial's
+    configuration); returns the completed process and the run folder."""
+    script = tmp_path / name
+    script.write_text(source)
     out = tmp_path / "run"
     env = dict(os.environ)
     env.pop("AMPDOCTOR_CONFIG", None)
     p = subprocess.run([sys.executable, "-m", "ampdoctor", "run", "--out", str(out), str(script)], capture_output=True,
                        text=True, cwd=ROOT, env=env, timeout=120)
+    return p, out
+
+
+def test_second_auto_watched_model_is_named_by_its_class(tmp_path):
+    p, out = _run_script(tmp_path, "gan.py", SECOND_MODEL)
     assert p.returncode == 0, p.stderr
     names = {lay["name"] for lay in TraceReader(out / "trace.sqlite").layers()}
     assert {"net.0", "D:", "D:net.0", "D:net.1"} <= names
@@ -297,13 +304,7 @@ def test_auto_watch_takes_the_model_not_a_part_run_while_it_is_built(tmp_path):
     # running `self.features` inside Net.__init__ (or spectral_norm's parametrization) made that part
     # "the model": names 0, 1, 2 instead of features.0, ..., the real model second as Net:..., and the
     # feature layers recorded twice
-    script = tmp_path / "cnn.py"
-    script.write_text(BUILT_BY_RUNNING_A_PART)
-    out = tmp_path / "run"
-    env = dict(os.environ)
-    env.pop("AMPDOCTOR_CONFIG", None)
-    p = subprocess.run([sys.executable, "-m", "ampdoctor", "run", "--out", str(out), str(script)], capture_output=True,
-                       text=True, cwd=ROOT, env=env, timeout=120)
+    p, out = _run_script(tmp_path, "cnn.py", BUILT_BY_RUNNING_A_PART)
     assert p.returncode == 0, p.stderr
     r = TraceReader(out / "trace.sqlite")
     names = {lay["id"]: lay["name"] for lay in r.layers()}
