@@ -165,3 +165,36 @@ def test_fix_snippets_for_autocast_and_pure_half_models():
     plain = [a for a in half if a.startswith("Plain PyTorch")]
     assert len(plain) == 2 and all("autocast(" not in a and ".float()" in a for a in plain), plain
     assert "float16" in plain[0] and "bfloat16" in plain[1] and "model.head(x.float()).to(x.dtype)" in plain[0]
+
+
+def test_trials_run_past_the_step_where_a_skip_window_failure_shows(tmp_path):
+    """A skipped-steps failure is reported at the first step of the window (here step 0: a 2**40
+    init_scale skips 24 steps in a row) but can only be detected 20 steps later; trials passed at
+    step 0 + margin, before their own failure could show, so every set "fixed" it (a bogus culprit)."""
+    import torch
+    from torch import nn
+
+    import ampdoctor
+
+    def train():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+        opt = torch.optim.Adam(model.parameters(), 1e-3)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40, growth_interval=1)
+        for step in range(40):
+            x = torch.randn(16, 8)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x).float(), x[:, :1] * 3)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+    res = ampdoctor.bisect(train, out=tmp_path, drill=False)
+    assert res["failure"]["reason"] == "skipped_steps", res
+    base = res["trials"][0]
+    assert base["outcome"] == "fail"
+    assert res["pass_after"] > 20, res["pass_after"]
+    for t in res["trials"]:
+        if t["outcome"] == "pass":
+            assert t["step"] > 20, t

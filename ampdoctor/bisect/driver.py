@@ -173,7 +173,11 @@ def run_bisect(script: str | None, args: Sequence[str], out: Path, opts: BisectO
     if opts.timeout is None:
         runner.timeout = max(60.0, 3 * base.seconds + 30)
     margin = opts.margin if opts.margin is not None else max(5, fail_step // 2)
-    pass_after = fail_step + margin
+    # The step reported is where the failure *started* (a skip window's or a scale backoff's first
+    # step), which can be many steps before the step where the baseline's oracle could tell; a trial
+    # must at least run past that step, or every trial "passes" before its failure can show.
+    detected = max(fail_step, (base.steps or 0) - 1)
+    pass_after = max(fail_step + margin, detected + 1)
     result["pass_after"] = pass_after
     root_set = frozenset(n for n in bl.candidates if bl.parent.get(n) is None)
     known: dict[frozenset, str] = {frozenset(): "fail"}
