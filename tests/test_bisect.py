@@ -198,3 +198,34 @@ def test_trials_run_past_the_step_where_a_skip_window_failure_shows(tmp_path):
     for t in res["trials"]:
         if t["outcome"] == "pass":
             assert t["step"] > 20, t
+
+
+def test_not_precision_first_nonfinite_is_not_the_scalers_startup_overflow(tmp_path):
+    """NaN data from step 6: no module produces the NaN, so first_nonfinite fell back to the first event of
+    all, the scaled weight-gradient overflow of the GradScaler's start-up backoff at step 0 (the report
+    says: step 6, the input of 0 was already non-finite)."""
+    import torch
+    from torch import nn
+
+    import ampdoctor
+
+    def train():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+        opt = torch.optim.Adam(model.parameters(), 1e-3)
+        scaler = torch.amp.GradScaler("cpu")
+        for step in range(30):
+            x = torch.randn(16, 4)
+            y = x[:, :1]
+            if step >= 6:
+                x = x * float("nan")
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+    res = ampdoctor.bisect(train, out=tmp_path, drill=False)
+    assert res["verdict"] == "not_precision", res
+    assert res["first_nonfinite"]["step"] == 6 and res["first_nonfinite"]["kind"] == "activation", res["first_nonfinite"]

@@ -69,7 +69,10 @@ def read_baseline(trace: str | Path) -> Baseline:
             hints.append(n)
     first = None
     if events:
-        e = (fwd or events)[0]
+        # without a producer (the data was non-finite) the earliest forward event or unscaled gradient:
+        # a gradient the GradScaler scaled into Inf at a start-up backoff (step 0) is not the failure
+        later = [e for e in events if e["detail"].get("kind") == "activation" or not e["detail"].get("scaled")]
+        e = (fwd or later or events)[0]
         first = {"layer": e["layer"], "kind": e["detail"].get("kind"), "step": e["step"]}
     types = {lay["name"]: lay["type"] for lay in layers}
     # weights stored in half precision: a pure .half()/.bfloat16() model, where autocast is not the fix
