@@ -86,7 +86,7 @@ def fix_snippets(culprits: Sequence[str], types: dict[str, str], ops: list[dict]
     advice = []
     half_weights = half_weights or {}
     for c in culprits:
-        path = module_expr(c)
+        path = module_expr(c, types=types)
         kind = types.get(c, "module")
         advice.append(f"Keep {c or 'the whole model'} ({kind}) in FP32: ampdoctor.keep_fp32({path})")
         half = [dt for n, dt in half_weights.items() if c == "" or n == c or n.startswith(c + ".")]

@@ -73,7 +73,7 @@ def culprit_advice(report: Report) -> list[str]:
         "it was the first layer to produce a non-finite value from finite inputs"
     ev = "; ".join(f"{n}: {e}" for n in names if (e := _evidence(report, n)))
     lines = [f"Keep {', '.join(names)} in FP32 ({why}{'; ' + ev if ev else ''}): "
-             + "; ".join(f"`ampdoctor.keep_fp32({module_expr(n)})`" for n in names)
+             + "; ".join(f"`ampdoctor.keep_fp32({module_expr(n, types=report.module_types)})`" for n in names)
              + " — or in plain PyTorch, around that call in forward: "
              "`with torch.autocast(x.device.type, enabled=False): out = layer(x.float())`"]
     if source == "first_nonfinite":
