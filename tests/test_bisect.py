@@ -181,7 +181,7 @@ def test_trials_run_past_the_step_where_a_skip_window_failure_shows(tmp_path):
         model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
         opt = torch.optim.Adam(model.parameters(), 1e-3)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40, growth_interval=1)
-        for step in range(40):
+        for _ in range(40):
             x = torch.randn(16, 8)
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = nn.functional.mse_loss(model(x).float(), x[:, :1] * 3)
