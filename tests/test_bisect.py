@@ -160,7 +160,7 @@ def test_fix_snippets_for_autocast_and_pure_half_models():
     types = {"blocks.1.fc1": "Linear", "head": "Linear", "blocks.0": "Block"}
     amp = fix_snippets(["blocks.1.fc1", "blocks.0"], types, [])
     assert "ampdoctor.keep_fp32(model.blocks[1].fc1)" in amp[0]
-    assert "autocast(device_type, enabled=False)" in amp[1] and "Block.forward" in amp[3]
+    assert "autocast(x.device.type, enabled=False)" in amp[1] and "Block.forward" in amp[3]
     half = fix_snippets(["head", "blocks.0"], types, [], {"head": "float16", "blocks.0.fc1": "bfloat16"})
     plain = [a for a in half if a.startswith("Plain PyTorch")]
     assert len(plain) == 2 and all("autocast(" not in a and ".float()" in a for a in plain), plain
@@ -229,3 +229,21 @@ def test_not_precision_first_nonfinite_is_not_the_scalers_startup_overflow(tmp_p
     res = ampdoctor.bisect(train, out=tmp_path, drill=False)
     assert res["verdict"] == "not_precision", res
     assert res["first_nonfinite"]["step"] == 6 and res["first_nonfinite"]["kind"] == "activation", res["first_nonfinite"]
+
+
+def test_plain_pytorch_fix_runs_when_pasted():
+    """The plain-PyTorch snippet named an undefined `device_type` (NameError when pasted)."""
+    import re
+
+    import torch
+    from torch import nn
+
+    from ampdoctor.bisect.driver import fix_snippets
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    plain = [a for a in fix_snippets(["1"], {"": "Sequential", "1": "Linear"}, []) if a.startswith("Plain PyTorch")][0]
+    code = re.search(r"`(with .*?)`", plain).group(1).replace(": y =", ":\n    y =")
+    x = torch.randn(2, 4)
+    env = {"torch": torch, "model": model, "x": x}
+    exec(code, env)
+    assert env["y"].dtype == torch.float32

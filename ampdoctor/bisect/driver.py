@@ -94,7 +94,7 @@ def fix_snippets(culprits: Sequence[str], types: dict[str, str], ops: list[dict]
             advice.append(f"Plain PyTorch (its weights are {half[0]}: no autocast to turn off): `{path}.float()` once "
                           f"(before building the optimizer), and where it is called `y = {path}(x.float()).to(x.dtype)`")
         elif isinstance(getattr(nn, kind, None), type):
-            advice.append(f"Plain PyTorch: where {path} is called, `with torch.autocast(device_type, enabled=False): "
+            advice.append(f"Plain PyTorch: where {path} is called, `with torch.autocast(x.device.type, enabled=False): "
                           f"y = {path}(x.float())`")
         else:
             advice.append(f"Plain PyTorch: in {kind}.forward, run the body under `with torch.autocast(x.device.type, "
