@@ -268,3 +268,29 @@ def test_fix_expression_indexes_a_moduledict_with_a_string_key(tmp_path):
         ampdoctor.keep_fp32(eval(f, {"model": model}))
     report = build_report(tmp_path / "trials" / "00-baseline")
     assert "stages['" in " ".join(report.advice) and "stages[1]" not in " ".join(report.advice), report.advice
+
+
+def test_no_keep_fp32_for_a_run_that_was_fp32_throughout(tmp_path):
+    """A pure-FP32 run that diverges, reported against fp32 (or bf16): the advice said to keep the
+    first producer in FP32 (with an autocast(enabled=False) snippet), which it already was."""
+    import torch
+    from torch import nn
+
+    import ampdoctor
+    from ampdoctor.report.culprit import culprits
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), 1e-3)
+    with ampdoctor.watch(model, format="fp32", trace=str(tmp_path / "t.sqlite")):
+        for _ in range(8):
+            x = torch.randn(16, 4) * 100
+            loss = nn.functional.mse_loss(model(x), x[:, :1])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = build_report(tmp_path / "t.sqlite")
+    assert report.diagnosis.broke and report.diagnosis.first_nonfinite, report.diagnosis
+    assert culprits(report) == ([], "")
+    text = " ".join(report.advice)
+    assert "keep_fp32" not in text and "produced in FP32" in text, report.advice
