@@ -247,3 +247,36 @@ def test_plain_pytorch_fix_runs_when_pasted():
     env = {"torch": torch, "model": model, "x": x}
     exec(code, env)
     assert env["y"].dtype == torch.float32
+
+
+def test_repeat_majority_decides_the_baseline_too(tmp_path):
+    """--repeat R is for flaky failures, but the baseline ran once: a lucky first run gave `healthy`
+    although most runs of the script break."""
+    import torch
+    from torch import nn
+
+    import ampdoctor
+
+    calls = {"n": 0}
+
+    def train():
+        calls["n"] += 1
+        lucky = calls["n"] == 1  # only the very first run does not break
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 1))
+        with torch.no_grad():
+            model[2].weight.mul_(1 if lucky else 60)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu")
+        for step in range(40):
+            x = torch.randn(8, 8) * (1 + step) * 60
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+
+    res = ampdoctor.bisect(train, out=tmp_path, repeat=3, drill=False)
+    assert res["verdict"] == "culprit" and res["culprits"] == ["2"], res
+    assert any("flaky" in n for n in res["notes"]), res["notes"]

@@ -158,12 +158,23 @@ def run_bisect(script: str | None, args: Sequence[str], out: Path, opts: BisectO
                           notes=[f"the FP32 reference run did not pass ({ctl.outcome})"])
     emit("start", {"name": "baseline"})
     base = record(runner.run("baseline", [], pass_after=None, all_modules=True))
+    base_notes: list[str] = []
+    if opts.repeat > 1 and base.outcome in ("pass", "fail"):
+        # a flaky failure is what --repeat is for: the baseline is a trial set too, majority decides
+        runs, need = [base], opts.repeat // 2 + 1
+        while len(runs) < opts.repeat and max(sum(t.outcome == o for t in runs) for o in ("pass", "fail")) < need:
+            runs.append(record(runner.run(f"baseline-{len(runs) + 1}", [], pass_after=None, all_modules=True)))
+        fails = [t for t in runs if t.outcome == "fail"]
+        passes = [t for t in runs if t.outcome == "pass"]
+        base = fails[0] if fails and len(fails) >= len(passes) else passes[0]
+        if fails and passes:
+            base_notes.append(f"flaky: the baseline failed in {len(fails)} of {len(runs)} runs")
     if base.outcome in ("error", "timeout"):
         msg = base.error or base.outcome
         return finish("error", error=f"the script failed without a numerical failure: {msg}",
                       notes=[f"logs: {base.folder}/stderr.txt"])
     if base.outcome == "pass":
-        return finish("healthy", notes=[f"the baseline ran {base.steps} steps without breaking"])
+        return finish("healthy", notes=[f"the baseline ran {base.steps} steps without breaking"] + base_notes)
     fail_step = base.step or 0
     result["failure"] = {"step": fail_step, "reason": base.reason}
     bl: Baseline = read_baseline(Path(base.folder) / "trace.sqlite")
@@ -202,7 +213,7 @@ def run_bisect(script: str | None, args: Sequence[str], out: Path, opts: BisectO
 
     sr = find_culprits(bl.candidates, test, parent=bl.parent, hints=hints, repeat=opts.repeat,
                        known=known, max_trials=opts.max_trials)
-    notes = list(sr.notes)
+    notes = base_notes + list(sr.notes)
     if sr.verdict != "culprit":
         extra: dict[str, Any] = {"notes": notes}
         if sr.verdict == "inconclusive":
