@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -130,10 +131,13 @@ def run(out, fmt, every, max_steps, all_modules, nproc, json_path, html_path, so
         _run_torchrun(script, _script_args(script_args), cfg, out_dir, nproc, (sort, top, only_bad, match, kinds),
                       json_path, html_path)
         return
+    cwd = os.getcwd()
     try:
         result = run_script(script, _script_args(script_args), cfg)
     except ScriptNotFound as e:
         raise click.UsageError(str(e)) from None
+    finally:
+        os.chdir(cwd)  # a script that changed directory: --out, --json, --html are relative to where we were started
     report = build_report(result.trace)
     _print_report(report, sort, top, only_bad, match, kinds)
     _write_outputs(report, json_path, html_path, None, out_dir)

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import re
+from typing import Mapping, Optional
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
-def module_expr(name: str, root: str = "model") -> str:
-    """Python expression for a qualified module name (``get_submodule`` when a part is no identifier)."""
+_INDEXABLE = ("Sequential", "ModuleList")
+
+
+def module_expr(name: str, root: str = "model", types: Optional[Mapping[str, str]] = None) -> str:
+    """Python expression for a qualified module name (``get_submodule`` when a part is no identifier).
+
+    ``types`` (qualified name -> class name, e.g. the trace's layers) says what a numeric part indexes:
+    ``[1]`` in a Sequential/ModuleList, ``["1"]`` in a ModuleDict (``[1]`` is a KeyError there), and
+    ``get_submodule`` under any other parent (``add_module("1", ...)``); without it, ``[1]``."""
     if ":" in name:  # a second model watched automatically: ``D:net.2`` -> ``d.net[2]`` (your D object)
         owner, _, name = name.partition(":")
         root = owner.split("#")[0].lower() or root
@@ -17,7 +25,17 @@ def module_expr(name: str, root: str = "model") -> str:
     parts = name.split(".")
     if not all(p.isdigit() or _IDENT.match(p) for p in parts):
         return f"{root}.get_submodule({name!r})"
-    out = root
+    out, prefix = root, ""
     for p in parts:
-        out += f"[{p}]" if p.isdigit() else f".{p}"
+        if p.isdigit():
+            parent = (types or {}).get(prefix)
+            if parent == "ModuleDict":
+                out += f"[{p!r}]"
+            elif parent is None or parent in _INDEXABLE:
+                out += f"[{p}]"
+            else:
+                return f"{root}.get_submodule({name!r})"
+        else:
+            out += f".{p}"
+        prefix = f"{prefix}.{p}" if prefix else p
     return out

@@ -212,3 +212,85 @@ def test_not_precision_verdict_drops_the_fp32_fix(tmp_path):
     text = "\n".join(build_report(run).advice)
     assert "keep_fp32" not in text.split("Gradients of")[0]
     assert "not a precision problem" in text
+
+
+def test_fix_expression_indexes_a_moduledict_with_a_string_key(tmp_path):
+    """`nn.ModuleDict({str(i): ...})`: the fix said `ampdoctor.keep_fp32(model.stages[1])`, a KeyError
+    when pasted; a numeric child of a plain module (`add_module("1", ...)`) is not indexable either."""
+    import torch
+    from torch import nn
+
+    import ampdoctor
+    from ampdoctor.naming import module_expr
+
+    assert module_expr("stages.1", types={"": "Net", "stages": "ModuleDict"}) == "model.stages['1']"
+    assert module_expr("net.2", types={"": "Net", "net": "Sequential"}) == "model.net[2]"
+    assert module_expr("blocks.0.attn", types={"blocks": "ModuleList"}) == "model.blocks[0].attn"
+    assert module_expr("0", types={"": "Net"}) == "model.get_submodule('0')"
+    assert module_expr("net.2") == "model.net[2]"
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(4, 16)
+            self.stages = nn.ModuleDict({str(i): nn.Linear(16, 16) for i in range(3)})
+            with torch.no_grad():
+                self.stages["1"].weight.mul_(100.0)
+            self.ln = nn.LayerNorm(16)
+            self.out = nn.Linear(16, 1)
+
+        def forward(self, x):
+            h = self.inp(x)
+            for k in ("0", "1", "2"):
+                h = self.stages[k](h)
+            return self.out(self.ln(h))
+
+    def train():
+        torch.manual_seed(0)
+        model = Net()
+        opt = torch.optim.Adam(model.parameters(), 1e-3)
+        scaler = torch.amp.GradScaler("cpu")
+        for step in range(40):
+            x = torch.randn(16, 4) * (1 + 50 * step)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x).float(), torch.randn(16, 1))
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+    res = ampdoctor.bisect(train, out=tmp_path, drill=False)
+    assert res["verdict"] == "culprit" and res["culprits"], res
+    fixes = [a.split("ampdoctor.keep_fp32(", 1)[1][:-1] for a in res["advice"] if "ampdoctor.keep_fp32(" in a]
+    assert fixes and any("stages[" in f for f in fixes), fixes
+    model = Net()
+    for f in fixes:
+        ampdoctor.keep_fp32(eval(f, {"model": model}))
+    report = build_report(tmp_path / "trials" / "00-baseline")
+    assert "stages['" in " ".join(report.advice) and "stages[1]" not in " ".join(report.advice), report.advice
+
+
+def test_no_keep_fp32_for_a_run_that_was_fp32_throughout(tmp_path):
+    """A pure-FP32 run that diverges, reported against fp32 (or bf16): the advice said to keep the
+    first producer in FP32 (with an autocast(enabled=False) snippet), which it already was."""
+    import torch
+    from torch import nn
+
+    import ampdoctor
+    from ampdoctor.report.culprit import culprits
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), 1e-3)
+    with ampdoctor.watch(model, format="fp32", trace=str(tmp_path / "t.sqlite")):
+        for _ in range(8):
+            x = torch.randn(16, 4) * 100
+            loss = nn.functional.mse_loss(model(x), x[:, :1])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = build_report(tmp_path / "t.sqlite")
+    assert report.diagnosis.broke and report.diagnosis.first_nonfinite, report.diagnosis
+    assert culprits(report) == ([], "")
+    text = " ".join(report.advice)
+    assert "keep_fp32" not in text and "produced in FP32" in text, report.advice

@@ -160,8 +160,123 @@ def test_fix_snippets_for_autocast_and_pure_half_models():
     types = {"blocks.1.fc1": "Linear", "head": "Linear", "blocks.0": "Block"}
     amp = fix_snippets(["blocks.1.fc1", "blocks.0"], types, [])
     assert "ampdoctor.keep_fp32(model.blocks[1].fc1)" in amp[0]
-    assert "autocast(device_type, enabled=False)" in amp[1] and "Block.forward" in amp[3]
+    assert "autocast(x.device.type, enabled=False)" in amp[1] and "Block.forward" in amp[3]
     half = fix_snippets(["head", "blocks.0"], types, [], {"head": "float16", "blocks.0.fc1": "bfloat16"})
     plain = [a for a in half if a.startswith("Plain PyTorch")]
     assert len(plain) == 2 and all("autocast(" not in a and ".float()" in a for a in plain), plain
     assert "float16" in plain[0] and "bfloat16" in plain[1] and "model.head(x.float()).to(x.dtype)" in plain[0]
+
+
+def test_trials_run_past_the_step_where_a_skip_window_failure_shows(tmp_path):
+    """A skipped-steps failure is reported at the first step of the window (here step 0: a 2**40
+    init_scale skips 24 steps in a row) but can only be detected 20 steps later; trials passed at
+    step 0 + margin, before their own failure could show, so every set "fixed" it (a bogus culprit)."""
+    import torch
+    from torch import nn
+
+    import ampdoctor
+
+    def train():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+        opt = torch.optim.Adam(model.parameters(), 1e-3)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40, growth_interval=1)
+        for _ in range(40):
+            x = torch.randn(16, 8)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x).float(), x[:, :1] * 3)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+    res = ampdoctor.bisect(train, out=tmp_path, drill=False)
+    assert res["failure"]["reason"] == "skipped_steps", res
+    base = res["trials"][0]
+    assert base["outcome"] == "fail"
+    assert res["pass_after"] > 20, res["pass_after"]
+    for t in res["trials"]:
+        if t["outcome"] == "pass":
+            assert t["step"] > 20, t
+
+
+def test_not_precision_first_nonfinite_is_not_the_scalers_startup_overflow(tmp_path):
+    """NaN data from step 6: no module produces the NaN, so first_nonfinite fell back to the first event of
+    all, the scaled weight-gradient overflow of the GradScaler's start-up backoff at step 0 (the report
+    says: step 6, the input of 0 was already non-finite)."""
+    import torch
+    from torch import nn
+
+    import ampdoctor
+
+    def train():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+        opt = torch.optim.Adam(model.parameters(), 1e-3)
+        scaler = torch.amp.GradScaler("cpu")
+        for step in range(30):
+            x = torch.randn(16, 4)
+            y = x[:, :1]
+            if step >= 6:
+                x = x * float("nan")
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+    res = ampdoctor.bisect(train, out=tmp_path, drill=False)
+    assert res["verdict"] == "not_precision", res
+    assert res["first_nonfinite"]["step"] == 6 and res["first_nonfinite"]["kind"] == "activation", res["first_nonfinite"]
+
+
+def test_plain_pytorch_fix_runs_when_pasted():
+    """The plain-PyTorch snippet named an undefined `device_type` (NameError when pasted)."""
+    import re
+
+    import torch
+    from torch import nn
+
+    from ampdoctor.bisect.driver import fix_snippets
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    plain = [a for a in fix_snippets(["1"], {"": "Sequential", "1": "Linear"}, []) if a.startswith("Plain PyTorch")][0]
+    code = re.search(r"`(with .*?)`", plain).group(1).replace(": y =", ":\n    y =")
+    x = torch.randn(2, 4)
+    env = {"torch": torch, "model": model, "x": x}
+    exec(code, env)
+    assert env["y"].dtype == torch.float32
+
+
+def test_repeat_majority_decides_the_baseline_too(tmp_path):
+    """--repeat R is for flaky failures, but the baseline ran once: a lucky first run gave `healthy`
+    although most runs of the script break."""
+    import torch
+    from torch import nn
+
+    import ampdoctor
+
+    calls = {"n": 0}
+
+    def train():
+        calls["n"] += 1
+        lucky = calls["n"] == 1  # only the very first run does not break
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 1))
+        with torch.no_grad():
+            model[2].weight.mul_(1 if lucky else 60)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        scaler = torch.amp.GradScaler("cpu")
+        for step in range(40):
+            x = torch.randn(8, 8) * (1 + step) * 60
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+
+    res = ampdoctor.bisect(train, out=tmp_path, repeat=3, drill=False)
+    assert res["verdict"] == "culprit" and res["culprits"] == ["2"], res
+    assert any("flaky" in n for n in res["notes"]), res["notes"]

@@ -140,3 +140,23 @@ def test_report_rank_is_the_rank_not_the_nth_file_and_top_must_be_positive(tmp_p
     for top in ("-1", "0"):  # rows[:-1] silently dropped the last row of each table
         r = amp("report", out, "--top", top)
         assert r.returncode == 2 and "--top" in r.stderr
+
+
+def test_run_with_relative_out_of_a_script_that_changes_directory(tmp_path):
+    """A script that os.chdir()s: the report was read from the relative --out under the script's new
+    directory (FileNotFoundError traceback, no report) and --json went there too."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    script = tmp_path / "chdir_train.py"
+    script.write_text(
+        "import os, torch\n"
+        f"os.chdir({str(elsewhere)!r})\n"
+        "model = torch.nn.Linear(4, 1)\n"
+        "opt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "for _ in range(3):\n"
+        "    loss = model(torch.randn(8, 4)).pow(2).mean()\n"
+        "    opt.zero_grad(); loss.backward(); opt.step()\n")
+    p = amp("run", "--out", "run", "--json", "r.json", script, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert (tmp_path / "run" / "report.json").exists() and (tmp_path / "r.json").exists()
+    assert not (elsewhere / "r.json").exists()

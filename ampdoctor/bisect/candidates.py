@@ -34,7 +34,8 @@ def _parent_of(name: str, names: set[str]) -> str | None:
 
 def read_baseline(trace: str | Path) -> Baseline:
     with TraceReader(trace) as r:
-        layers = [lay for lay in r.layers() if lay["ord"] is not None]
+        all_layers = r.layers()
+        layers = [lay for lay in all_layers if lay["ord"] is not None]
         by_id = {lay["id"]: lay for lay in layers}
         acts = r.stats(kind="activation")
         weights = r.stats(kind="weight")
@@ -69,9 +70,12 @@ def read_baseline(trace: str | Path) -> Baseline:
             hints.append(n)
     first = None
     if events:
-        e = (fwd or events)[0]
+        # without a producer (the data was non-finite) the earliest forward event or unscaled gradient:
+        # a gradient the GradScaler scaled into Inf at a start-up backoff (step 0) is not the failure
+        later = [e for e in events if e["detail"].get("kind") == "activation" or not e["detail"].get("scaled")]
+        e = (fwd or later or events)[0]
         first = {"layer": e["layer"], "kind": e["detail"].get("kind"), "step": e["step"]}
-    types = {lay["name"]: lay["type"] for lay in layers}
+    types = {lay["name"]: lay["type"] for lay in all_layers}  # containers never called too (a ModuleDict)
     # weights stored in half precision: a pure .half()/.bfloat16() model, where autocast is not the fix
     half = {by_id[s["layer"]]["name"]: s["dtype"] for s in weights
             if s["dtype"] in ("float16", "bfloat16") and s["layer"] in by_id}

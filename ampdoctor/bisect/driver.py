@@ -86,7 +86,7 @@ def fix_snippets(culprits: Sequence[str], types: dict[str, str], ops: list[dict]
     advice = []
     half_weights = half_weights or {}
     for c in culprits:
-        path = module_expr(c)
+        path = module_expr(c, types=types)
         kind = types.get(c, "module")
         advice.append(f"Keep {c or 'the whole model'} ({kind}) in FP32: ampdoctor.keep_fp32({path})")
         half = [dt for n, dt in half_weights.items() if c == "" or n == c or n.startswith(c + ".")]
@@ -94,7 +94,7 @@ def fix_snippets(culprits: Sequence[str], types: dict[str, str], ops: list[dict]
             advice.append(f"Plain PyTorch (its weights are {half[0]}: no autocast to turn off): `{path}.float()` once "
                           f"(before building the optimizer), and where it is called `y = {path}(x.float()).to(x.dtype)`")
         elif isinstance(getattr(nn, kind, None), type):
-            advice.append(f"Plain PyTorch: where {path} is called, `with torch.autocast(device_type, enabled=False): "
+            advice.append(f"Plain PyTorch: where {path} is called, `with torch.autocast(x.device.type, enabled=False): "
                           f"y = {path}(x.float())`")
         else:
             advice.append(f"Plain PyTorch: in {kind}.forward, run the body under `with torch.autocast(x.device.type, "
@@ -158,12 +158,23 @@ def run_bisect(script: str | None, args: Sequence[str], out: Path, opts: BisectO
                           notes=[f"the FP32 reference run did not pass ({ctl.outcome})"])
     emit("start", {"name": "baseline"})
     base = record(runner.run("baseline", [], pass_after=None, all_modules=True))
+    base_notes: list[str] = []
+    if opts.repeat > 1 and base.outcome in ("pass", "fail"):
+        # a flaky failure is what --repeat is for: the baseline is a trial set too, majority decides
+        runs, need = [base], opts.repeat // 2 + 1
+        while len(runs) < opts.repeat and max(sum(t.outcome == o for t in runs) for o in ("pass", "fail")) < need:
+            runs.append(record(runner.run(f"baseline-{len(runs) + 1}", [], pass_after=None, all_modules=True)))
+        fails = [t for t in runs if t.outcome == "fail"]
+        passes = [t for t in runs if t.outcome == "pass"]
+        base = fails[0] if fails and len(fails) >= len(passes) else passes[0]
+        if fails and passes:
+            base_notes.append(f"flaky: the baseline failed in {len(fails)} of {len(runs)} runs")
     if base.outcome in ("error", "timeout"):
         msg = base.error or base.outcome
         return finish("error", error=f"the script failed without a numerical failure: {msg}",
                       notes=[f"logs: {base.folder}/stderr.txt"])
     if base.outcome == "pass":
-        return finish("healthy", notes=[f"the baseline ran {base.steps} steps without breaking"])
+        return finish("healthy", notes=[f"the baseline ran {base.steps} steps without breaking"] + base_notes)
     fail_step = base.step or 0
     result["failure"] = {"step": fail_step, "reason": base.reason}
     bl: Baseline = read_baseline(Path(base.folder) / "trace.sqlite")
@@ -173,7 +184,11 @@ def run_bisect(script: str | None, args: Sequence[str], out: Path, opts: BisectO
     if opts.timeout is None:
         runner.timeout = max(60.0, 3 * base.seconds + 30)
     margin = opts.margin if opts.margin is not None else max(5, fail_step // 2)
-    pass_after = fail_step + margin
+    # The step reported is where the failure *started* (a skip window's or a scale backoff's first
+    # step), which can be many steps before the step where the baseline's oracle could tell; a trial
+    # must at least run past that step, or every trial "passes" before its failure can show.
+    detected = max(fail_step, (base.steps or 0) - 1)
+    pass_after = max(fail_step + margin, detected + 1)
     result["pass_after"] = pass_after
     root_set = frozenset(n for n in bl.candidates if bl.parent.get(n) is None)
     known: dict[frozenset, str] = {frozenset(): "fail"}
@@ -198,7 +213,7 @@ def run_bisect(script: str | None, args: Sequence[str], out: Path, opts: BisectO
 
     sr = find_culprits(bl.candidates, test, parent=bl.parent, hints=hints, repeat=opts.repeat,
                        known=known, max_trials=opts.max_trials)
-    notes = list(sr.notes)
+    notes = base_notes + list(sr.notes)
     if sr.verdict != "culprit":
         extra: dict[str, Any] = {"notes": notes}
         if sr.verdict == "inconclusive":

@@ -24,9 +24,16 @@ def culprits(report: Report) -> tuple[list[str], str]:
         return [], ""  # bisect showed that forcing FP32 is not the fix
     fn = report.diagnosis.first_nonfinite
     if fn and not fn.get("input_nonfinite") and not fn.get("from_loss") and fn.get("kind") != "weight" \
-            and fn.get("layer") is not None:
+            and fn.get("layer") is not None and not _all_fp32(report):
         return [fn["layer"] or "(root)"], "first_nonfinite"
     return [], ""
+
+
+def _all_fp32(report: Report) -> bool:
+    """No activation was in a low-precision dtype: the run had no autocast and no half model, so a
+    non-finite value was produced in FP32 and keeping a layer in FP32 cannot be the fix."""
+    acts = report.rows("activation")
+    return bool(acts) and not any(r.dtype in ("float16", "bfloat16") or r.dtype.startswith("float8") for r in acts)
 
 
 def _row(report: Report, layer: str, kind: str) -> LayerRow | None:
@@ -65,6 +72,13 @@ def culprit_advice(report: Report) -> list[str]:
         if fn.get("input_nonfinite"):
             return [f"The input of {fn.get('layer') or '(root)'} was already non-finite at step {fn.get('step')}: "
                     "check the data and the code outside the watched model; forcing FP32 will not help."]
+        if fn.get("layer") is not None and not fn.get("input_nonfinite") and _all_fp32(report) \
+                and (report.bisect or {}).get("verdict") not in ("not_precision", "healthy"):
+            what = {"activation": "output", "gradient": "gradient", "weight_grad": "weight gradient"}.get(
+                fn.get("kind"), fn.get("kind"))
+            return [f"The first non-finite value ({fn.get('layer') or '(root)'}'s {what} at step {fn.get('step')}) was "
+                    "produced in FP32 (every activation of this run was float32): keeping a layer in FP32 will not "
+                    "help; look at the learning rate, the data and the loss."]
         if fn.get("from_loss"):
             return [f"The gradient entering the model from the loss was non-finite at step {fn.get('step')}: the loss "
                     "(times the loss scale) overflowed; compute the loss in FP32 (`loss_fn(out.float(), y)`) and check it."]
@@ -73,7 +87,7 @@ def culprit_advice(report: Report) -> list[str]:
         "it was the first layer to produce a non-finite value from finite inputs"
     ev = "; ".join(f"{n}: {e}" for n in names if (e := _evidence(report, n)))
     lines = [f"Keep {', '.join(names)} in FP32 ({why}{'; ' + ev if ev else ''}): "
-             + "; ".join(f"`ampdoctor.keep_fp32({module_expr(n)})`" for n in names)
+             + "; ".join(f"`ampdoctor.keep_fp32({module_expr(n, types=report.module_types)})`" for n in names)
              + " — or in plain PyTorch, around that call in forward: "
              "`with torch.autocast(x.device.type, enabled=False): out = layer(x.float())`"]
     if source == "first_nonfinite":

@@ -202,7 +202,7 @@ def _fix(report: Report, ready: dict | None) -> str:
            "first_nonfinite": "the first layer that produced a non-finite value from finite inputs (run "
                               "<code>ampdoctor bisect</code> to verify).",
            "readiness": f"the first layer whose output would overflow in {_e(report.format)}."}[source]
-    code = "import ampdoctor\n" + "\n".join(f"ampdoctor.keep_fp32({module_expr(n)})" for n in names)
+    code = "import ampdoctor\n" + "\n".join(f"ampdoctor.keep_fp32({module_expr(n, types=report.module_types)})" for n in names)
     plain = ("# or, in plain PyTorch, around the call in forward():\n"
              "with torch.autocast(device_type=x.device.type, enabled=False):\n    out = layer(x.float())")
     body = (f"<p>Keep {', '.join(f'<code>{_e(n)}</code>' for n in names)} in FP32: {why}</p>"

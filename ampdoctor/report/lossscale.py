@@ -138,7 +138,7 @@ def loss_scale_advice(report: Report, ls: LossScaleAnalysis | None, ready: bool)
         names = ", ".join(f"{n} ({ls.spans[n]} binades)" for n in ls.too_wide[:5])
         out.append(f"Gradients of {names} span more binades than {fmt.name}'s normal range holds "
                    f"({fmt.max_exp - fmt.normal_exp}): run these layers in bf16 or FP32, e.g. "
-                   f"`ampdoctor.keep_fp32({module_expr(ls.too_wide[0])})`.")
+                   f"`ampdoctor.keep_fp32({module_expr(ls.too_wide[0], types=report.module_types)})`.")
     return out
 
 

@@ -82,6 +82,7 @@ class Report:
     notes: list[str]
     bisect: dict | None = None
     advice: list[str] = field(default_factory=list)
+    module_types: dict[str, str] = field(default_factory=dict)  # every module's class, containers too (fix snippets)
 
     @property
     def fmt(self) -> Format:
@@ -350,6 +351,7 @@ def build_report(path: str | Path, *, rank: int = 0) -> Report:
     diagnosis = _diagnose(timeline, events, meta)
     report = Report(trace=str(trace), format=fmt.name, meta=meta, diagnosis=diagnosis, layers=rows,
                     timeline=timeline, events=[e for e in events if e["kind"] != "grad_nonfinite"][:200], notes=notes)
+    report.module_types = {row["name"]: row["type"] for row in layers.values() if row.get("type")}
     if len(files) > 1:
         report.notes.extend(_other_ranks(files, trace))
     bisect_json = Path(path) / "bisect.json" if Path(path).is_dir() else None

@@ -54,7 +54,7 @@ def readiness_advice(report: Report, ready: dict) -> list[str]:
                     key=lambda r: r.order, default=None)
         if worst is not None:
             out.append(f"Keep {worst.layer} in FP32 when you switch on autocast: `ampdoctor.keep_fp32("
-                       f"{module_expr(worst.layer)})`.")
+                       f"{module_expr(worst.layer, types=report.module_types)})`.")
     if ready["underflow"]:
         out.append(f"Would underflow in {fmt.name} (>= {MAX_UNDERFLOW_PCT:g}% of values subnormal or flushed to "
                    "zero): " + listing(ready["underflow"], lambda r: f"{r.layer} ({r.subnormal_pct + r.flush_pct:.3g}%)",
