@@ -39,3 +39,23 @@ def module_expr(name: str, root: str = "model", types: Optional[Mapping[str, str
             out += f".{p}"
         prefix = f"{prefix}.{p}" if prefix else p
     return out
+
+
+_WRAPPED = "-wrapped model: watching .module"  # the note ``watch.unwrap_model`` leaves in the trace
+
+
+def wrapper_of(notes) -> str | None:
+    """The DDP/FSDP/DataParallel wrapper the watched model was found in (from the trace's notes),
+    or None: fix snippets name modules of the model inside it."""
+    for n in notes:
+        if _WRAPPED in n:
+            return n.split(_WRAPPED)[0].strip().rsplit(" ", 1)[-1]
+    return None
+
+
+def wrapped_hint(wrapper: str | None) -> str:
+    """What to add to a ``keep_fp32(model...)`` snippet when the model ran inside ``wrapper``."""
+    if not wrapper:
+        return ""
+    return (f" (`model` is the module inside {wrapper}: call it before wrapping the model, or write "
+            "`wrapped.module` for `model`)")

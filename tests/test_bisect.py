@@ -280,3 +280,30 @@ def test_repeat_majority_decides_the_baseline_too(tmp_path):
     res = ampdoctor.bisect(train, out=tmp_path, repeat=3, drill=False)
     assert res["verdict"] == "culprit" and res["culprits"] == ["2"], res
     assert any("flaky" in n for n in res["notes"]), res["notes"]
+
+
+def test_baseline_first_nonfinite_of_a_scale_collapse_is_at_the_failure(tmp_path):
+    """Only GradScaler-scaled gradient events (a scale that collapses): the first non-finite value
+    bisect reports is the one at or after the failure step, as the report's, not the start-up
+    backoff at step 0."""
+    from ampdoctor.bisect.candidates import read_baseline
+    from ampdoctor.trace import TraceWriter
+
+    w = TraceWriter(tmp_path / "t.sqlite")
+    w.add_layers([(0, "", "Sequential", 0, 0, None), (1, "0", "Linear", 1, 1, 0), (2, "1", "Linear", 2, 1, 0)])
+    w.add_event(0, "first_nonfinite", "1", kind="gradient", scaled=True)
+    for step, layer in ((0, "1"), (5, "1"), (20, "0"), (21, "0")):
+        w.add_event(step, "grad_nonfinite", layer, kind="gradient", scaled=True)
+    w.close()
+    assert read_baseline(tmp_path / "t.sqlite").first_nonfinite == {"layer": "1", "kind": "gradient", "step": 0}
+    got = read_baseline(tmp_path / "t.sqlite", 20, "scale_collapse").first_nonfinite
+    assert got == {"layer": "0", "kind": "gradient", "step": 20}
+
+
+def test_fix_snippets_name_the_model_inside_a_ddp_wrapper():
+    from ampdoctor.bisect.driver import fix_snippets
+
+    plain = fix_snippets(["2"], {"2": "Linear"}, [])
+    ddp = fix_snippets(["2"], {"2": "Linear"}, [], None, "DistributedDataParallel")
+    assert "inside" not in plain[0] and "ampdoctor.keep_fp32(model[2])" in ddp[0]
+    assert "inside DistributedDataParallel" in ddp[0] and "before wrapping" in ddp[0]

@@ -123,6 +123,10 @@ def test_run_under_torchrun_one_trace_per_rank(tmp_path, device):
     report = json.loads((out / "report.json").read_text())
     assert report["diagnosis"]["first_nonfinite"]["layer"] == "2"
     assert any(n.startswith("rank 1 (trace.rank1.sqlite): Training broke") for n in report["notes"])
+    # the fix names a module of the model inside DDP: say so (keep_fp32(model[2]) fails on the wrapper)
+    fix = [a for a in report["advice"] if "keep_fp32(" in a]
+    assert fix and "inside DistributedDataParallel" in fix[0], report["advice"]
+    assert "inside DistributedDataParallel" in (out / "report.html").read_text()
     r1 = amp("report", out, "--rank", "1")
     assert r1.returncode == 0 and "trace.rank1.sqlite" in r1.stdout
 

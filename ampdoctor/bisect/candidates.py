@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..naming import wrapper_of
 from ..trace import TraceReader
 
 
@@ -16,6 +17,7 @@ class Baseline:
     first_nonfinite: dict | None
     types: dict[str, str] = field(default_factory=dict)
     half_weights: dict[str, str] = field(default_factory=dict)  # layer -> dtype of its float16/bfloat16 weights
+    wrapper: str | None = None  # the DDP/FSDP/DataParallel class the model ran in (names are inside it)
 
 
 def _parent_of(name: str, names: set[str]) -> str | None:
@@ -32,7 +34,10 @@ def _parent_of(name: str, names: set[str]) -> str | None:
     return owner if owner in names else None
 
 
-def read_baseline(trace: str | Path) -> Baseline:
+def read_baseline(trace: str | Path, failure_step: int | None = None, reason: str | None = None) -> Baseline:
+    """What the baseline trace says; ``failure_step``/``reason``: the baseline's failure, which picks
+    the first non-finite event of a run whose only events are GradScaler-scaled gradients (as the
+    report does: one at or after the failure, not a start-up backoff at step 0)."""
     with TraceReader(trace) as r:
         all_layers = r.layers()
         layers = [lay for lay in all_layers if lay["ord"] is not None]
@@ -40,6 +45,8 @@ def read_baseline(trace: str | Path) -> Baseline:
         acts = r.stats(kind="activation")
         weights = r.stats(kind="weight")
         events = r.events("first_nonfinite")
+        grad_events = r.events("grad_nonfinite")
+        wrapper = wrapper_of(e["detail"].get("message", "") for e in r.events("note") if e["layer"] is None)
     layers.sort(key=lambda lay: lay["ord"])
     names = [lay["name"] for lay in layers]
     overflow: dict[str, float] = {}
@@ -74,10 +81,13 @@ def read_baseline(trace: str | Path) -> Baseline:
         # a gradient the GradScaler scaled into Inf at a start-up backoff (step 0) is not the failure
         later = [e for e in events if e["detail"].get("kind") == "activation" or not e["detail"].get("scaled")]
         e = (fwd or later or events)[0]
+        if not fwd and not later and grad_events and reason in ("skipped_steps", "scale_collapse"):
+            at = [g for g in grad_events if failure_step is None or g["step"] >= failure_step]
+            e = at[0] if at else grad_events[-1]
         first = {"layer": e["layer"], "kind": e["detail"].get("kind"), "step": e["step"]}
     types = {lay["name"]: lay["type"] for lay in all_layers}  # containers never called too (a ModuleDict)
     # weights stored in half precision: a pure .half()/.bfloat16() model, where autocast is not the fix
     half = {by_id[s["layer"]]["name"]: s["dtype"] for s in weights
             if s["dtype"] in ("float16", "bfloat16") and s["layer"] in by_id}
     return Baseline(candidates=cands, parent=parent, hints=hints, first_nonfinite=first, types=types,
-                    half_weights=half)
+                    half_weights=half, wrapper=wrapper)

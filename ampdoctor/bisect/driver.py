@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..naming import module_expr
+from ..naming import module_expr, wrapped_hint
 from ..oracle import OracleConfig
 from ..trace import TraceReader
 from .candidates import Baseline, read_baseline
@@ -76,7 +76,7 @@ def _ops_from(trace: Path, culprits: Sequence[str]) -> list[dict]:
 
 
 def fix_snippets(culprits: Sequence[str], types: dict[str, str], ops: list[dict],
-                 half_weights: dict[str, str] | None = None) -> list[str]:
+                 half_weights: dict[str, str] | None = None, wrapper: str | None = None) -> list[str]:
     """The fix for each culprit (``keep_fp32`` and its plain-PyTorch equivalent: autocast off around
     it, or, where its weights are stored in half precision (``half_weights``: a pure ``.half()``
     model, no autocast to turn off), the module in FP32 with its input and output cast), and what
@@ -88,7 +88,8 @@ def fix_snippets(culprits: Sequence[str], types: dict[str, str], ops: list[dict]
     for c in culprits:
         path = module_expr(c, types=types)
         kind = types.get(c, "module")
-        advice.append(f"Keep {c or 'the whole model'} ({kind}) in FP32: ampdoctor.keep_fp32({path})")
+        advice.append(f"Keep {c or 'the whole model'} ({kind}) in FP32: ampdoctor.keep_fp32({path})"
+                      + wrapped_hint(wrapper))
         half = [dt for n, dt in half_weights.items() if c == "" or n == c or n.startswith(c + ".")]
         if half:
             advice.append(f"Plain PyTorch (its weights are {half[0]}: no autocast to turn off): `{path}.float()` once "
@@ -177,7 +178,7 @@ def run_bisect(script: str | None, args: Sequence[str], out: Path, opts: BisectO
         return finish("healthy", notes=[f"the baseline ran {base.steps} steps without breaking"] + base_notes)
     fail_step = base.step or 0
     result["failure"] = {"step": fail_step, "reason": base.reason}
-    bl: Baseline = read_baseline(Path(base.folder) / "trace.sqlite")
+    bl: Baseline = read_baseline(Path(base.folder) / "trace.sqlite", fail_step, base.reason)
     result["first_nonfinite"] = bl.first_nonfinite
     if not bl.candidates:
         return finish("inconclusive", notes=["no module ran while watching: is the model built with torch.nn modules?"])
@@ -228,7 +229,7 @@ def run_bisect(script: str | None, args: Sequence[str], out: Path, opts: BisectO
         d = record(runner.run("drill-down", [], pass_after=None, probe=culprits))
         ops = _ops_from(Path(d.folder) / "trace.sqlite", culprits)
     result["ops"] = ops
-    result["advice"] = fix_snippets(culprits, bl.types, ops, bl.half_weights)
+    result["advice"] = fix_snippets(culprits, bl.types, ops, bl.half_weights, bl.wrapper)
     if opts.drill:
         for c in culprits:
             if not any(o["layer"] == c or o["layer"].startswith(c + ".") or c == "" for o in ops if o["phase"] == "forward"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+from ..naming import wrapped_hint, wrapper_of
 from .model import LayerRow, Report
 from .phrasing import fmt_num, module_expr
 
@@ -88,6 +89,7 @@ def culprit_advice(report: Report) -> list[str]:
     ev = "; ".join(f"{n}: {e}" for n in names if (e := _evidence(report, n)))
     lines = [f"Keep {', '.join(names)} in FP32 ({why}{'; ' + ev if ev else ''}): "
              + "; ".join(f"`ampdoctor.keep_fp32({module_expr(n, types=report.module_types)})`" for n in names)
+             + wrapped_hint(wrapper_of(report.notes))
              + " — or in plain PyTorch, around that call in forward: "
              "`with torch.autocast(x.device.type, enabled=False): out = layer(x.float())`"]
     if source == "first_nonfinite":

@@ -17,6 +17,7 @@ from html import escape
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from ..naming import wrapper_of
 from .model import KIND_TITLES, LayerRow, Report
 from .phrasing import fmt_bits as _bits
 from .phrasing import fmt_num as _num
@@ -203,6 +204,9 @@ def _fix(report: Report, ready: dict | None) -> str:
                               "<code>ampdoctor bisect</code> to verify).",
            "readiness": f"the first layer whose output would overflow in {_e(report.format)}."}[source]
     code = "import ampdoctor\n" + "\n".join(f"ampdoctor.keep_fp32({module_expr(n, types=report.module_types)})" for n in names)
+    wrapper = wrapper_of(report.notes)
+    if wrapper:
+        code += f"\n# model: the module inside {wrapper} (call this before wrapping it, or use wrapped.module)"
     plain = ("# or, in plain PyTorch, around the call in forward():\n"
              "with torch.autocast(device_type=x.device.type, enabled=False):\n    out = layer(x.float())")
     body = (f"<p>Keep {', '.join(f'<code>{_e(n)}</code>' for n in names)} in FP32: {why}</p>"
