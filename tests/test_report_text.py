@@ -72,3 +72,10 @@ def test_json_report_has_the_same_rows(tmp_path):
     head = [r for r in data["layers"] if r["layer"] == "head" and r["kind"] == "activation"][0]
     assert head["calls"] == 2
     assert data["diagnosis"]["first_nonfinite"]["layer"] == "blocks.1.proj"
+
+
+def test_a_selection_that_shows_nothing_says_so(tmp_path):
+    rep = build_report(synthetic(tmp_path / "trace.sqlite"))
+    text = rep.to_text(width=120, only_bad=True, kinds=["gradient"], match="embed")
+    assert "No layer with NaN/Inf, overflow, subnormal or flushed values matching 'embed' among gradient." in text
+    assert "No layer" not in rep.to_text(width=120, only_bad=True)  # blocks.1.proj is bad: its rows show

@@ -46,10 +46,12 @@ def render_text(report: Report, *, kinds: Sequence[str] = DEFAULT_KINDS, sort: s
     if report.bisect:
         b = report.bisect
         con.print(f"  - bisect verdict: {b.get('verdict')}; culprits: {', '.join(b.get('culprits') or []) or '-'}")
+    shown = 0
     for kind in kinds:
         rows = select_rows(report, kind, sort=sort, top=top, only_bad=only_bad, match=match)
         if not rows:
             continue
+        shown += 1
         con.print("")
         table = Table(title=KIND_TITLES.get(kind, kind), title_justify="left", box=None, pad_edge=False,
                       show_edge=False, header_style="bold")
@@ -63,6 +65,10 @@ def render_text(report: Report, *, kinds: Sequence[str] = DEFAULT_KINDS, sort: s
                           fmt_pct(r.subnormal_pct), fmt_pct(r.flush_pct), str(r.nan) if r.nan else "-",
                           str(r.inf) if r.inf else "-", "-" if r.first_bad_step is None else str(r.first_bad_step))
         con.print(table)
+    if not shown and (only_bad or match):
+        con.print("")
+        what = " with NaN/Inf, overflow, subnormal or flushed values" if only_bad else ""
+        con.print(f"No layer{what}{f' matching {match!r}' if match else ''} among {', '.join(kinds)}.")
     if report.advice:
         con.print("")
         con.print("Advice")
