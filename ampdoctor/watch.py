@@ -192,7 +192,12 @@ class Watch:
         self._probed: set[int] = set()    # prunable leaves whose pre-hook ran this step
         self._mutators: set[int] = set()  # leaves seen changing an input in place: keep their pre-hook
         self._restore: set[int] = set()   # pruned leaves whose input had changed since it was seen
-        self._eval = False  # in a call of the model with gradients disabled after training started
+        # Evaluation: the outermost watched call of a step that runs with gradients disabled once
+        # training has started (validation under torch.no_grad()) is not recorded. ``_depth``: watched
+        # module calls in progress (those whose pre-hook ran); ``_eval``: the lid of the outermost
+        # call being skipped, or None.
+        self._eval: int | None = None
+        self._depth = 0
         self._sleepers: list[Any] = []  # handles of the hooks that only work on recorded steps
         self._asleep: list[tuple] | None = None  # (dict, key, hook, keys before it, keys after it)
         root, notes = unwrap_model(model)
@@ -224,14 +229,13 @@ class Watch:
             stats = all_modules or is_leaf or has_own_params
             inplace = _inplace(mod)
             own_in = [False]  # True once the post-hook takes the input flags itself (see prune_pre_hooks)
-            is_root = name == ""
-            prunable = is_leaf and not inplace and not is_root  # (the root's pre-hook tells evaluation calls)
-            pre_fn = self._make_pre(lid, inplace, prunable, is_root)
+            prunable = is_leaf and not inplace
+            pre_fn = self._make_pre(lid, inplace, prunable)
             pre = mod.register_forward_pre_hook(pre_fn)
             self._sleepers.append(pre)
             if prunable:
                 self._prunable[lid] = (pre, own_in, mod, pre_fn)
-            self._sleepers.append(mod.register_forward_hook(self._make_post(lid, stats, own_in, is_root), always_call=False))
+            self._sleepers.append(mod.register_forward_hook(self._make_post(lid, stats, own_in), always_call=False))
             if name == "" and s.config.oracle is not None:
                 self._handles.append(mod.register_forward_hook(self._root_output_check()))
             if stats:
@@ -250,7 +254,7 @@ class Watch:
         torch.compile: dynamo guards on the hook dicts and would recompile at each change."""
         if self._removed:
             return
-        self._eval = False  # (an evaluation call that raised never reached the root's forward hook)
+        self._eval, self._depth = None, 0  # (a call that raised never reached its forward hook)
         if self._compiled:
             asleep = False  # compiled (maybe seen only now): awake for good
         if asleep == (self._asleep is not None):
@@ -317,7 +321,7 @@ class Watch:
             self._restore.add(lid)
         return flag
 
-    def _make_pre(self, lid: int, inplace: bool, probe: bool, root: bool):
+    def _make_pre(self, lid: int, inplace: bool, probe: bool):
         s = self.session
         stack: list = []
         vstack: list = []
@@ -331,11 +335,12 @@ class Watch:
                 return traced(mod, args)
             if not s.recording or self._removed or _graph_task_id() != -1 or _inference_mode():
                 return  # (inference tensors have no version counter: evaluation under inference_mode is not recorded)
-            if root:  # a call of the whole model with gradients disabled once training has started:
-                # evaluation (validation under torch.no_grad()), not recorded into the training step
-                self._eval = s.trained and not _grad_enabled()
-            if self._eval:
+            if self._eval is not None:
+                return  # inside an evaluation call
+            if not self._depth and s.trained and not _grad_enabled():
+                self._eval = lid  # an outermost call with gradients disabled after training started: evaluation
                 return
+            self._depth += 1
             if layer.ord is None:
                 s.mark_order(lid)
             if probe:  # does this leaf change its inputs in place? (see prune_pre_hooks)
@@ -392,7 +397,7 @@ class Watch:
             self._sleepers = [h for h in self._sleepers if id(h) not in gone]
             self._handles = [h for h in self._handles if id(h) not in gone]
 
-    def _make_post(self, lid: int, record_stats: bool, own_in: list, root: bool):
+    def _make_post(self, lid: int, record_stats: bool, own_in: list):
         s = self.session
         stack = self._stack[lid]
         vstack = self._vstack[lid]
@@ -408,12 +413,17 @@ class Watch:
                 return traced(mod, args, out)
             if not s.recording or self._removed or s.closed or _graph_task_id() != -1 or _inference_mode():
                 return  # (a forward inside backward is activation checkpointing recomputing it)
-            if self._eval:  # inside an evaluation call of the model (see the pre-hook)
-                if root:
-                    self._eval = False
+            if self._eval is not None:  # inside an evaluation call (see the pre-hook)
+                if self._eval == lid:
+                    self._eval = None
                 return
-            if s.trained and record_stats and not _grad_enabled():
-                s.note_layer(lid, _NO_GRAD_NOTE)
+            if not own_in[0]:  # its pre-hook ran (not pruned): this call is over
+                self._depth -= 1
+            if s.trained and not _grad_enabled():
+                if self._depth <= 0 and own_in[0]:
+                    return  # a leaf called on its own with gradients disabled after training started: evaluation
+                if record_stats:
+                    s.note_layer(lid, _NO_GRAD_NOTE)
             s._active = True  # this module's call number this step
             calls = s._calls
             call = calls.get(lid, 0)

@@ -635,6 +635,46 @@ def test_evaluation_forwards_are_not_recorded_into_training_steps(tmp_path):
     assert {names[s["layer"]] for s in r.stats(kind="gradient")} == {"body", "head"}
 
 
+def test_evaluation_through_a_part_of_the_model_is_not_recorded(tmp_path):
+    """Validation that calls a part of the watched model (Lightning's validation_step calling
+    self.model, a head alone) under torch.no_grad() after training started: the outermost watched
+    call decides, so nothing of it is recorded and no 'gradients disabled' note is written."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(8, 8), nn.ReLU()), nn.Linear(8, 1))
+
+    def make_x(i):
+        with torch.no_grad():
+            model[0](torch.full((4, 8), 1000.0))
+            model[1](torch.full((4, 8), 1000.0))
+        return torch.randn(4, 8)
+
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")):
+        train(model, 3, make_x=make_x, autocast=False)
+    r = TraceReader(tmp_path / "t.sqlite")
+    rows = [s for s in r.stats(kind="activation") if s["step"] > 0]
+    assert rows and max(s["call"] for s in rows) == 0 and max(s["absmax"] for s in rows) < 100
+    assert not [e for e in r.events("note") if "gradients disabled" in e["detail"].get("message", "")]
+
+
+def test_evaluation_of_a_one_layer_model_is_not_recorded(tmp_path):
+    """A model that is one leaf keeps only its forward hook after the first recorded step; an
+    evaluation call of it after training started is still not recorded."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1)
+
+    def make_x(i):
+        with torch.no_grad():
+            model(torch.full((4, 8), 1000.0))
+        return torch.randn(4, 8)
+
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")) as w:
+        train(model, 3, make_x=make_x, autocast=False)
+        assert not model._forward_pre_hooks  # pruned
+    rows = [s for s in TraceReader(tmp_path / "t.sqlite").stats(kind="activation") if s["step"] > 0]
+    assert rows and max(s["call"] for s in rows) == 0 and max(s["absmax"] for s in rows) < 100
+    assert w.session.trained
+
+
 def test_reentrant_checkpoint_is_recorded_with_a_note(tmp_path):
     """checkpoint(..., use_reentrant=True) runs its segment with gradients disabled inside the
     training forward: the segment's outputs are recorded each step, and a note says there are no
