@@ -15,7 +15,8 @@ How it works (and why this way): two hooks per module, nothing written onto the 
 * a forward **hook** (``with_kwargs=True, always_call=True``, prepended so the caller's
   autocast state is back before other forward hooks run) restores the autocast state and,
   where no autocast was active and the inputs were half precision (a pure ``.half()`` /
-  ``.bfloat16()`` model), casts the floating outputs back to the input dtype so the rest
+  ``.bfloat16()`` model), casts the floating outputs back to the input dtype (the parameters'
+  original dtype when no input is floating, e.g. an Embedding's indices) so the rest
   of the model sees what it saw before. ``always_call`` makes it run even when ``forward``
   raises, so autocast is never left disabled.
 
@@ -118,6 +119,16 @@ def _first_low_precision_dtype(obj: Any) -> torch.dtype | None:
         if dt is not None:
             return dt
     return None
+
+
+def _has_floating(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return obj.is_floating_point()
+    if isinstance(obj, (list, tuple)):
+        return any(_has_floating(v) for v in obj)
+    if isinstance(obj, dict):
+        return any(_has_floating(v) for v in obj.values())
+    return False
 
 
 def _to_fp32(t: torch.Tensor) -> torch.Tensor:
@@ -239,6 +250,10 @@ class Fp32Handle:
         self._upcast_params(module)  # cheap no-op unless someone called .half() since
         devices = _enabled_autocast_devices()
         cast_back = None if devices else _first_low_precision_dtype((args, kwargs))
+        if cast_back is None and not devices and not _has_floating((args, kwargs)):
+            # No floating input to take the dtype from (an Embedding's indices): the rest of a
+            # pure half model expects what the module produced before, its parameters' dtype.
+            cast_back = next((dt for _, dt in self._upcast.values()), None)
         contexts: list[torch.autocast] = []
         try:
             for dev in devices:

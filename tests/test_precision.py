@@ -239,3 +239,23 @@ def test_model_copies_and_saves_while_forced():
     assert h.module is model[1]
     with torch.autocast(**AC):
         assert model(x).dtype == torch.float16
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("cls", [nn.Embedding, nn.EmbeddingBag])
+def test_pure_half_embedding_output_cast_back(cls, dtype):
+    """An embedding's inputs are integer indices: its FP32 output was not cast back, and the
+    next layer of the pure half model failed (mat1 and mat2 must have the same dtype)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(cls(10, 8), nn.Linear(8, 4)).to(dtype)
+    idx = torch.tensor([[1, 2, 3]])
+    before = model(idx)
+    with keep_fp32(model[0]):
+        assert model[0].weight.dtype == torch.float32
+        out = model(idx)
+        assert out.dtype == dtype
+        out.float().sum().backward()
+        assert model[0].weight.grad.dtype == torch.float32
+    assert model[0].weight.dtype == dtype
+    model.zero_grad(set_to_none=True)
+    assert torch.equal(model(idx), before)
