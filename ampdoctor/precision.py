@@ -35,6 +35,7 @@ are left as they are (forcing never lowers precision).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import difflib
 import logging
 import threading
@@ -79,7 +80,7 @@ def _enabled_autocast_devices() -> list[str]:
 
 
 def _map_floats(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """Apply ``fn`` to floating tensors nested in tuples/lists/dicts; unchanged objects are
+    """Apply ``fn`` to floating tensors nested in tuples/lists/dicts/dataclasses; unchanged objects are
     returned as they are (identity kept)."""
     if isinstance(obj, torch.Tensor):
         return fn(obj) if obj.is_floating_point() else obj
@@ -102,6 +103,16 @@ def _map_floats(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         for k, v in new.items():
             out[k] = v
         return out
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = [f.name for f in dataclasses.fields(obj)]
+        values = {k: getattr(obj, k) for k in fields}
+        new = {k: _map_floats(v, fn) for k, v in values.items()}
+        if all(new[k] is v for k, v in values.items()):
+            return obj
+        out = copy.copy(obj)
+        for k, v in new.items():
+            object.__setattr__(out, k, v)  # frozen dataclasses too
+        return out
     return obj
 
 
@@ -112,6 +123,8 @@ def _first_low_precision_dtype(obj: Any) -> torch.dtype | None:
         values: Iterable[Any] = obj
     elif isinstance(obj, dict):
         values = obj.values()
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        values = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
     else:
         return None
     for v in values:

@@ -259,3 +259,37 @@ def test_pure_half_embedding_output_cast_back(cls, dtype):
     assert model[0].weight.dtype == dtype
     model.zero_grad(set_to_none=True)
     assert torch.equal(model(idx), before)
+
+
+def test_pure_half_dataclass_output_cast_back():
+    """A module returning a dataclass (frozen or not): its FP32 fields were not cast back, and
+    the next layer of the pure half model failed."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Out:
+        h: torch.Tensor
+        n: int = 3
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return Out(self.lin(x))
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = Block(), nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.b(self.a(x).h)
+
+    model = Model().half()
+    x = torch.randn(2, 4).half()
+    with keep_fp32(model.a):
+        out = model.a(x)
+        assert type(out) is Out and out.h.dtype == torch.float16 and out.n == 3
+        assert model(x).dtype == torch.float16
