@@ -164,3 +164,21 @@ def test_run_with_relative_out_of_a_script_that_changes_directory(tmp_path):
     assert p.returncode == 0, p.stderr
     assert (tmp_path / "run" / "report.json").exists() and (tmp_path / "r.json").exists()
     assert not (elsewhere / "r.json").exists()
+
+
+@pytest.mark.parametrize("ending, code, said", [
+    ("raise KeyboardInterrupt", 130, "interrupted (KeyboardInterrupt)"),
+    ("sys.exit(4)", 4, "exited with status 4"),
+])
+def test_interrupted_or_failing_exit_is_said_in_the_report(tmp_path, ending, code, said):
+    """Ctrl-C (or sys.exit(non-zero)) mid-training: the trace says status interrupted/exited, but the
+    report's diagnosis said only 'Training did not break in the 3 steps seen', as for a finished run."""
+    script = tmp_path / "train.py"
+    script.write_text((SCRIPTS / "raises.py").read_text().replace(
+        "raise RuntimeError(\"boom in the user's script\")", f"import sys\n{ending}"))
+    out = tmp_path / "run"
+    p = amp("run", "--out", out, script)
+    assert p.returncode == code, p.stderr
+    assert said in p.stdout
+    r = amp("report", out)
+    assert r.returncode == 0 and said in r.stdout, r.stdout

@@ -259,6 +259,12 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict) -> Diagnosis
                      f"rerun with --format {'bf16' if ran == 'bfloat16' else 'fp16'} to judge them by what they are.")
     if status == "crashed":
         lines.append(f"The script raised: {meta.get('error', '?')}")
+    elif status == "interrupted":
+        lines.append("The run was interrupted (KeyboardInterrupt): this shows the steps recorded before it stopped.")
+    elif status == "exited" and meta.get("exit_code") not in (None, 0, "0"):
+        lines.append(f"The script exited with status {meta.get('exit_code')}"
+                     + (f" ({meta['error']})" if meta.get("error") else "")
+                     + ": this shows the steps recorded before it stopped.")
     elif status == "running":
         if _written_by_this_process(meta):
             # a live report (``w.report()`` while the watch is still on): nothing was killed
