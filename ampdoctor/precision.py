@@ -29,7 +29,9 @@ the handle is a context manager.
 Limits: a parameter shared with a module that is not forced (tied embeddings) is upcast
 for both; optimizer state created before the upcast keeps its old dtype, so call
 ``keep_fp32`` before building the optimizer of a pure half-precision model. Float64 inputs
-are left as they are (forcing never lowers precision).
+are left as they are (forcing never lowers precision). ``remove()`` puts a tensor back to the
+dtype it last had before being upcast, and leaves one the user cast since (``model.double()``)
+as it is; after ``model.float()`` it cannot tell, and restores the half dtype.
 """
 
 from __future__ import annotations
@@ -235,7 +237,9 @@ class Fp32Handle:
         for t in (*module.parameters(), *module.buffers()):
             if t.dtype not in _LOW_PRECISION:
                 continue
-            self._upcast.setdefault(id(t), (t, t.dtype))
+            # the dtype to restore is the latest one seen: a model cast since (.bfloat16() after
+            # keep_fp32 on a .half() model) goes back to what the user cast it to
+            self._upcast[id(t)] = (t, t.dtype)
             with torch.no_grad():
                 t.data = t.data.float()
                 grad = t.grad if isinstance(t, nn.Parameter) else None
@@ -245,8 +249,8 @@ class Fp32Handle:
     def _restore_params(self) -> None:
         with torch.no_grad():
             for t, dtype in self._upcast.values():
-                if t.dtype == dtype:
-                    continue
+                if t.dtype != torch.float32:
+                    continue  # already back, or cast by the user since (model.double()): leave it
                 t.data = t.data.to(dtype)
                 grad = t.grad if isinstance(t, nn.Parameter) else None
                 if grad is not None and grad.dtype != dtype:

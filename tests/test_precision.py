@@ -293,3 +293,20 @@ def test_pure_half_dataclass_output_cast_back():
         out = model.a(x)
         assert type(out) is Out and out.h.dtype == torch.float16 and out.n == 3
         assert model(x).dtype == torch.float16
+
+
+@pytest.mark.parametrize("cast", ["double", "bfloat16"])
+def test_remove_after_the_model_was_cast_again(cast):
+    """keep_fp32 on a .half() model, then model.double() (or .bfloat16()): remove() put the module
+    back to float16 while the rest of the model was float64/bfloat16, and the next forward failed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).half()
+    h = keep_fp32(model[0])
+    model(torch.randn(2, 4).half())
+    getattr(model, cast)()
+    dtype = model[1].weight.dtype
+    x = torch.randn(2, 4, dtype=dtype)
+    model(x)  # (bf16: the forcing pre-hook upcasts model[0] again)
+    h.remove()
+    assert model[0].weight.dtype == dtype and model[0].bias.dtype == dtype
+    assert model(x).dtype == dtype
