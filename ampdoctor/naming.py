@@ -58,4 +58,5 @@ def wrapped_hint(wrapper: str | None) -> str:
     if not wrapper:
         return ""
     return (f" (`model` is the module inside {wrapper}: call it before wrapping the model, or write "
-            "`wrapped.module` for `model`)")
+            "`wrapped.module` for `model` under autocast; a pure .half()/.bfloat16() model must be fixed "
+            "before wrapping, since keep_fp32 changes parameter dtypes the wrapper has already bucketed)")

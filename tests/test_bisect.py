@@ -307,3 +307,13 @@ def test_fix_snippets_name_the_model_inside_a_ddp_wrapper():
     ddp = fix_snippets(["2"], {"2": "Linear"}, [], None, "DistributedDataParallel")
     assert "inside" not in plain[0] and "ampdoctor.keep_fp32(model[2])" in ddp[0]
     assert "inside DistributedDataParallel" in ddp[0] and "before wrapping" in ddp[0]
+
+
+def test_ddp_fix_snippet_says_a_pure_half_model_is_fixed_before_wrapping():
+    """keep_fp32(ddp.module[0]) on a pure .half() DDP model fails at the next backward (DDP's
+    'Expected to have finished reduction' error: its buckets hold fp16 parameters); the hint offered
+    `wrapped.module` without that condition."""
+    from ampdoctor.bisect.driver import fix_snippets
+
+    ddp = fix_snippets(["2"], {"2": "Linear"}, [], None, "DistributedDataParallel")[0]
+    assert "under autocast" in ddp and "pure .half()/.bfloat16() model must be fixed before wrapping" in ddp

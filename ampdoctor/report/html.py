@@ -206,7 +206,7 @@ def _fix(report: Report, ready: dict | None) -> str:
     code = "import ampdoctor\n" + "\n".join(f"ampdoctor.keep_fp32({module_expr(n, types=report.module_types)})" for n in names)
     wrapper = wrapper_of(report.notes)
     if wrapper:
-        code += f"\n# model: the module inside {wrapper} (call this before wrapping it, or use wrapped.module)"
+        code += f"\n# model: the module inside {wrapper} (call this before wrapping it, or use wrapped.module under autocast; a pure half model: before wrapping)"
     plain = ("# or, in plain PyTorch, around the call in forward():\n"
              "with torch.autocast(device_type=x.device.type, enabled=False):\n    out = layer(x.float())")
     body = (f"<p>Keep {', '.join(f'<code>{_e(n)}</code>' for n in names)} in FP32: {why}</p>"
