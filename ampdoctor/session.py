@@ -86,8 +86,9 @@ class Session:
         )
         self.writer.commit()
         self.tracker = StepTracker(self)
+        self._exc_at_start = getattr(sys, "last_value", None)
         if not owned:  # a watch never removed still ends its trace properly at exit
-            atexit.register(self.close)
+            atexit.register(self._at_exit)
         self.watches: list[Any] = []
         self.on_attach: list[Any] = []  # callbacks(watch): the runner installs the op probe here
         self.on_step: list[Any] = []    # callbacks(new_step) at each step boundary
@@ -591,9 +592,21 @@ class Session:
             if _current() is self:
                 _set_current(None)
             try:
-                atexit.unregister(self.close)
+                atexit.unregister(self._at_exit)
             except Exception:  # pragma: no cover
                 pass
+
+    def _at_exit(self) -> None:
+        """The end of a script whose watch was never removed: how it ended, as ``ampdoctor run``
+        records it. An uncaught exception that ends the interpreter is left in ``sys.last_value``
+        before exit handlers run (a KeyboardInterrupt: interrupted)."""
+        exc = getattr(sys, "last_value", None)
+        if exc is None or exc is self._exc_at_start:
+            self.close()
+        elif isinstance(exc, KeyboardInterrupt):
+            self.close("interrupted", error="KeyboardInterrupt")
+        else:
+            self.close("crashed", error=f"{type(exc).__name__}: {exc}")
 
     def _partial_step(self) -> None:
         saved = self.config.max_steps, self._oracle

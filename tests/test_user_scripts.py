@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 import ampdoctor
 from ampdoctor.bisect.drill import OpProbe
+from ampdoctor.report import build_report
 from ampdoctor.trace import TraceReader
 
 ROOT = Path(__file__).parent.parent
@@ -311,3 +312,33 @@ def test_auto_watch_takes_the_model_not_a_part_run_while_it_is_built(tmp_path):
     recorded = {names[s["layer"]] for s in r.stats(kind="activation")}
     assert {"features.0", "features.1", "features.2", "fc"} <= recorded, recorded
     assert not any(":" in n for n in names.values()) and "0" not in recorded, sorted(names.values())
+
+
+DIES = '''
+import sys, torch, torch.nn as nn, ampdoctor
+m = nn.Linear(4, 4)
+ampdoctor.watch(m, trace=sys.argv[1])
+opt = torch.optim.SGD(m.parameters(), lr=0.1)
+for step in range(3):
+    m(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
+if sys.argv[2] == "int":
+    raise KeyboardInterrupt
+if sys.argv[2] == "raise":
+    raise RuntimeError("boom")
+'''
+
+
+@pytest.mark.parametrize("how, status", [("raise", "crashed"), ("int", "interrupted"), ("ok", "finished")])
+def test_a_watched_script_that_dies_is_not_recorded_as_finished(tmp_path, how, status):
+    # a script calling watch() itself (no `ampdoctor run`), never removing it: the trace says how it ended
+    script = tmp_path / "dies.py"
+    script.write_text(DIES)
+    trace = tmp_path / "t.sqlite"
+    p = subprocess.run([sys.executable, str(script), str(trace), how], capture_output=True, text=True, cwd=ROOT,
+                       timeout=120)
+    assert (p.returncode != 0) == (how != "ok"), p.stderr
+    meta = TraceReader(trace).meta()
+    assert meta["status"] == status and len(TraceReader(trace).steps()) == 3
+    if how == "raise":
+        assert "RuntimeError: boom" in meta["error"]
+        assert any("The script raised" in line for line in build_report(trace).diagnosis.lines)
