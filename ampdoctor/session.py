@@ -14,6 +14,7 @@ import os
 import sys
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,7 +110,8 @@ class Session:
         self._pending_scalars: list[tuple[int, dict]] = []
         self._param_rows: dict[str, tuple] = {}  # kind -> (signature, row descriptions, kept entries)
         self._scaled_loss_active = False  # a GradScaler was seen: skipped steps are its business
-        self._step_optimizer: int | None = None  # without a GradScaler, this optimizer's step ends a step
+        self._step_optimizer: Any = None  # weakref: without a GradScaler, this optimizer's step ends a step
+        self._other_steps: set[int] = set()  # other optimizers that stepped since the last boundary
         self.last_output_nonfinite: tuple[int, Any] | None = None  # (step, device flag), trials only
         self._row_policy = RowPolicy(self.fmt, on_stale=self._stale_row)
         self._bw_task = -2  # the backward pass whose end flushes the batch (see _queue_backward_flush)
@@ -341,11 +343,17 @@ class Session:
         if not self._active:
             return  # a second optimizer right after the first: same step
         # Several optimizers (a GAN's D and G): an iteration is the cycle between two steps of the
-        # first optimizer that ever stepped, so each step holds one of each.
-        if self._step_optimizer is None:
-            self._step_optimizer = id(optimizer)
-        if id(optimizer) != self._step_optimizer:
-            return
+        # first optimizer that ever stepped, so each step holds one of each. One that replaced it (the
+        # first is gone, or another steps twice while it does not) ends the steps from then on.
+        first = self._step_optimizer() if self._step_optimizer is not None else None
+        if first is None:
+            self._step_optimizer, first = weakref.ref(optimizer), optimizer
+        if optimizer is not first:
+            if id(optimizer) not in self._other_steps:
+                self._other_steps.add(id(optimizer))
+                return
+            self._step_optimizer = weakref.ref(optimizer)
+        self._other_steps.clear()
         self.end_step()
 
     # -- the step boundary -----------------------------------------------------------------

@@ -180,7 +180,8 @@ class Watch:
         self.session = session
         self.prefix = prefix
         self._handles: list[Any] = []
-        self._params: list[tuple[int, str, nn.Parameter]] = []
+        self._params: list[tuple[int, str, nn.Parameter | None]] = []
+        self._owners: list[tuple[dict, str]] = []  # (module._parameters, name) of each entry of _params
         self._removed = False
         self._fp32 = None
         self._stack: dict[int, list] = {}
@@ -244,6 +245,7 @@ class Watch:
                         continue  # tied weights: counted once, with their first owner
                     seen_params.add(id(p))
                     self._params.append((lid, pname, p))
+                    self._owners.append((mod._parameters, pname))
         self._grads_seen = [None] * len(self._params)
         self._handles.extend(self._sleepers)
 
@@ -536,10 +538,21 @@ class Watch:
         that :meth:`record_weight_grads` knows which gradients a backward pass has changed since."""
         if self._removed:
             return
+        self._sync_params()
         seen = self._grads_seen
         for i, (_, _, p) in enumerate(self._params):
-            g = p.grad
+            g = None if p is None else p.grad
             seen[i] = None if g is None else (_weakref(g), g._version)
+
+    def _sync_params(self) -> None:
+        """The parameters as their modules hold them now: one replaced (``module.weight =
+        nn.Parameter(...)``) is read where it is now, not the old object; one set to None is skipped."""
+        ps = self._params
+        for i, (d, name) in enumerate(self._owners):
+            p = d.get(name)
+            if p is not ps[i][2]:
+                ps[i] = (ps[i][0], name, p)
+                self._grads_seen[i] = None
 
     def record_weight_grads(self) -> None:
         """Rows of the weight gradients accumulated since the last look (a new ``.grad``, or one
@@ -548,10 +561,11 @@ class Watch:
         the parameters instead of a post-accumulate-grad hook per parameter."""
         if self._removed:
             return
+        self._sync_params()
         seen = self._grads_seen
         changed = []
         for i, (lid, pname, p) in enumerate(self._params):
-            g = p.grad
+            g = None if p is None else p.grad
             if g is None:
                 seen[i] = None
                 continue
@@ -567,7 +581,10 @@ class Watch:
     def record_weights(self) -> None:
         """Weights after the optimizer step (called at the step boundary)."""
         if not self._removed:
-            self.session.add_param_rows("weight", self._params)
+            self._sync_params()
+            ps = self._params
+            self.session.add_param_rows("weight", ps if all(e[2] is not None for e in ps) else
+                                        [e for e in ps if e[2] is not None])
 
     def _force(self, names: list[str]) -> None:
         from .precision import force_fp32

@@ -711,3 +711,34 @@ def test_a_trace_path_not_chosen_is_printed_once(tmp_path, capsys):
     with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")):
         train(model, 1)
     assert "recording to" not in capsys.readouterr().err
+
+
+def test_a_new_optimizer_or_parameter_is_followed(tmp_path):
+    """Without a GradScaler a step ends at the first optimizer's step. An optimizer made anew (the
+    old one gone) ends the steps from then on, as does one that steps twice while the first does not
+    (one merged step at the switch); a parameter replaced (module.weight = nn.Parameter(...)) is
+    recorded where it is now."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    path = tmp_path / "t.sqlite"
+    with ampdoctor.watch(model, trace=str(path)):
+        for step in range(3):  # a new optimizer each step: the last one is freed
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        model[2].weight = nn.Parameter(torch.full((1, 4), 10.0))
+        keep = opt  # alive but no longer used
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        for step in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    del keep
+    r = TraceReader(path)
+    assert [s["optimizer_steps"] for s in r.steps()] == [1, 2, 3, 5, 6]  # steps 3-4 of the new one merged
+    names = {v["id"]: v["name"] for v in r.layers()}
+    w2 = [s for s in r.stats(kind="weight") if names[s["layer"]] == "2" and s["slot"] == "weight"]
+    assert [s["absmax"] for s in w2][3:] == [10.0, 10.0]
+    g2 = [s["step"] for s in r.stats(kind="weight_grad") if names[s["layer"]] == "2" and s["slot"] == "weight"]
+    assert g2 == [0, 1, 2, 3, 3, 4]  # the merged step holds both backward passes' gradients
