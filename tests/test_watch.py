@@ -722,7 +722,7 @@ def test_a_new_optimizer_or_parameter_is_followed(tmp_path):
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
     path = tmp_path / "t.sqlite"
     with ampdoctor.watch(model, trace=str(path)):
-        for step in range(3):  # a new optimizer each step: the last one is freed
+        for _ in range(3):  # a new optimizer each step: the last one is freed
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             model(torch.randn(2, 4)).sum().backward()
             opt.step()
@@ -730,7 +730,7 @@ def test_a_new_optimizer_or_parameter_is_followed(tmp_path):
         model[2].weight = nn.Parameter(torch.full((1, 4), 10.0))
         keep = opt  # alive but no longer used
         opt = torch.optim.SGD(model.parameters(), lr=0.0)
-        for step in range(3):
+        for _ in range(3):
             model(torch.randn(2, 4)).sum().backward()
             opt.step()
             opt.zero_grad()
