@@ -79,3 +79,17 @@ def test_a_selection_that_shows_nothing_says_so(tmp_path):
     text = rep.to_text(width=120, only_bad=True, kinds=["gradient"], match="embed")
     assert "No layer with NaN/Inf, overflow, subnormal or flushed values matching 'embed' among gradient." in text
     assert "No layer" not in rep.to_text(width=120, only_bad=True)  # blocks.1.proj is bad: its rows show
+
+
+def test_worst_first_puts_the_producer_before_what_it_passed_on():
+    from ampdoctor.report.model import LayerRow
+
+    def row(layer, order, nan=0, overflow=0, first=None, headroom=5.0):
+        return LayerRow(layer=layer, type="Linear", order=order, kind="activation", dtype="float16", absmax=1.0,
+                        headroom_bits=headroom, numel=10, overflow=overflow, subnormal=0, flush_to_zero=0, nan=nan,
+                        inf=0, overflow_pct=0.0, subnormal_pct=0.0, flush_pct=0.0, first_bad_step=first, calls=1,
+                        bytes=20, steps=1)
+
+    rows = [row("tight", 0, headroom=0.5), row("producer", 1, nan=2, first=3), row("later", 2, nan=1000, first=3),
+            row("earlier", 5, overflow=1, first=1), row("fine", 3, headroom=9.0)]
+    assert [r.layer for r in sorted(rows, key=LayerRow.severity)] == ["earlier", "producer", "later", "tight", "fine"]

@@ -52,9 +52,14 @@ class LayerRow:
         return bool(self.nan or self.inf or self.overflow)
 
     def severity(self) -> tuple:
-        """Sort key, worst first: non-finite, then overflow, then least headroom."""
-        return (-(self.nan + self.inf), -self.overflow, self.headroom_bits if math.isfinite(self.headroom_bits) else
-                (-1e9 if self.headroom_bits < 0 else 1e9), self.order)
+        """Sort key, worst first: the layers that went bad (NaN/Inf/overflow), the earliest first, and at
+        the same step in execution order, so the producer comes before the layers it passed its NaN to
+        (however many more values they hold); then the rest by least headroom."""
+        if self.bad:
+            first = self.first_bad_step if self.first_bad_step is not None else math.inf
+            return (0, first, self.order, 0.0)
+        head = self.headroom_bits if math.isfinite(self.headroom_bits) else (-1e9 if self.headroom_bits < 0 else 1e9)
+        return (1, math.inf, head, self.order)
 
 
 @dataclass
