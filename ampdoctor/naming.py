@@ -41,15 +41,15 @@ def module_expr(name: str, root: str = "model", types: Optional[Mapping[str, str
     return out
 
 
-_WRAPPED = "-wrapped model: watching .module"  # the note ``watch.unwrap_model`` leaves in the trace
+WRAPPED_NOTE = "-wrapped model: watching .module"  # after the wrapper class: the note ``watch.unwrap_model`` leaves
 
 
 def wrapper_of(notes) -> str | None:
     """The DDP/FSDP/DataParallel wrapper the watched model was found in (from the trace's notes),
     or None: fix snippets name modules of the model inside it."""
     for n in notes:
-        if _WRAPPED in n:
-            return n.split(_WRAPPED)[0].strip().rsplit(" ", 1)[-1]
+        if WRAPPED_NOTE in n:
+            return n.split(WRAPPED_NOTE)[0].strip().rsplit(" ", 1)[-1]
     return None
 
 

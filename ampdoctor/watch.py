@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .naming import WRAPPED_NOTE
 from .session import Session, _dtype_name, get_session
 from .tensors import _MAX_TENSORS, floating, iter_tensors
 
@@ -41,7 +42,7 @@ def unwrap_model(model: nn.Module) -> tuple[nn.Module, list[str]]:
         inner = getattr(model, "module", None)
         if isinstance(inner, nn.Module) and type(model).__name__ in (
                 "DistributedDataParallel", "DataParallel", "FullyShardedDataParallel"):
-            notes.append(f"{type(model).__name__}-wrapped model: watching .module")
+            notes.append(f"{type(model).__name__}{WRAPPED_NOTE}")
             model = inner
             continue
     return model, notes

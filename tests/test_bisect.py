@@ -97,29 +97,32 @@ def test_trial_in_fresh_interpreter(tmp_path):
     assert (tmp_path / "trials" / "00-spawned" / "stderr.txt").exists()
 
 
-def test_python_api_bisect(tmp_path):
+def _train_overflowing(steps: int, factor: float = 60) -> None:
+    """A CPU fp16 training whose second Linear (weights times ``factor``) overflows as the input grows."""
     import torch
     from torch import nn
 
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 1))
+    with torch.no_grad():
+        model[2].weight.mul_(factor)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    for step in range(steps):
+        x = torch.randn(8, 8) * (1 + step) * 60
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+
+def test_python_api_bisect(tmp_path):
+
     import ampdoctor
 
-    def train():
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 1))
-        with torch.no_grad():
-            model[2].weight.mul_(60)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        scaler = torch.amp.GradScaler("cpu")
-        for step in range(60):
-            x = torch.randn(8, 8) * (1 + step) * 60
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(x).float().pow(2).mean()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
-
-    res = ampdoctor.bisect(train, out=tmp_path)
+    res = ampdoctor.bisect(lambda: _train_overflowing(60), out=tmp_path)
     assert res["verdict"] == "culprit" and res["culprits"] == ["2"], res
     assert json.loads((tmp_path / "bisect.json").read_text()) == json.loads(json.dumps(res, allow_nan=False))
     assert len(res["trials"]) <= 5
@@ -252,8 +255,6 @@ def test_plain_pytorch_fix_runs_when_pasted():
 def test_repeat_majority_decides_the_baseline_too(tmp_path):
     """--repeat R is for flaky failures, but the baseline ran once: a lucky first run gave `healthy`
     although most runs of the script break."""
-    import torch
-    from torch import nn
 
     import ampdoctor
 
@@ -261,21 +262,7 @@ def test_repeat_majority_decides_the_baseline_too(tmp_path):
 
     def train():
         calls["n"] += 1
-        lucky = calls["n"] == 1  # only the very first run does not break
-        torch.manual_seed(0)
-        model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 1))
-        with torch.no_grad():
-            model[2].weight.mul_(1 if lucky else 60)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-        scaler = torch.amp.GradScaler("cpu")
-        for step in range(40):
-            x = torch.randn(8, 8) * (1 + step) * 60
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(x).float().pow(2).mean()
-            scaler.scale(loss).backward()
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad()
+        _train_overflowing(40, 1 if calls["n"] == 1 else 60)  # only the very first run does not break
 
     res = ampdoctor.bisect(train, out=tmp_path, repeat=3, drill=False)
     assert res["verdict"] == "culprit" and res["culprits"] == ["2"], res
