@@ -422,8 +422,9 @@ DEV double decode(i64 key, i64 kind) {
 DEV i64 inf_bits(i64 kind) { return kind == 0 ? 0x7C00 : (kind == 1 ? 0x7F80 : 0x7F800000); }
 
 extern "C" __global__ void stage2(const Table table, int m, unsigned long long* __restrict__ acc,
-                                  double* __restrict__ out, int width) {
-    // reads its tensor's accumulators and zeroes them for the next flush (same stream: ordered)
+                                  double* __restrict__ out, int width, int* __restrict__ gate) {
+    // reads its tensor's accumulators and zeroes them for the next flush (same stream: ordered);
+    // sets *gate when the row counts a NaN or an Inf (the gate of _flags_cuda_kernel.cu)
     __shared__ unsigned long long a[ACC];
     const i64* meta = table.v;
     const int tid = threadIdx.x, nt = blockDim.x;
@@ -443,6 +444,7 @@ extern "C" __global__ void stage2(const Table table, int m, unsigned long long* 
         o[1] = (double)a[NB + 1];
         o[2] = (double)a[NB + 2];
         o[3] = (double)a[NB + 3];
+        if (a[NB + 1] | a[NB + 2] | a[NB + 3]) atomicOr(gate, 1);
         o[4] = (double)a[NB];
         o[5] = decode(inf - (i64)a[P + 0], kind);
         o[6] = decode((i64)a[P + 1] - inf, kind);

@@ -125,7 +125,7 @@ class _Kernel:
 
     def __call__(self, grid: int, block: int, args: Sequence[Any], stream: torch.cuda.Stream) -> None:
         vals = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else
-                (a if isinstance(a, ctypes.Array) else ctypes.c_int(a)) for a in args]
+                (a if isinstance(a, (ctypes.Array, ctypes.c_void_p)) else ctypes.c_int(a)) for a in args]
         arr_t = self._arr.get(len(vals))
         if arr_t is None:
             arr_t = self._arr[len(vals)] = ctypes.c_void_p * len(vals)
@@ -210,13 +210,29 @@ def tables(numel: Sequence[int], ptr: Sequence[int], rows: Sequence[int], kinds:
     return out
 
 
+def _scratch_gate(dev: torch.device) -> torch.Tensor:
+    """A device int for stage 2 to set when no gate is given (nothing reads it)."""
+    g = _scratch.get(dev.index)
+    if g is None:
+        g = _scratch[dev.index] = torch.zeros(1, dtype=torch.int32, device=dev)
+    return g
+
+
+_scratch: dict[int | None, torch.Tensor] = {}
+
+
 def run(views: Sequence[torch.Tensor], rows: Sequence[int], fmt: Format, out: torch.Tensor,
-        numel: Sequence[int] | None = None, ptr: Sequence[int] | None = None) -> None:
+        numel: Sequence[int] | None = None, ptr: Sequence[int] | None = None,
+        gate: torch.Tensor | None = None) -> None:
     """Write the rows of ``views`` (contiguous, 16-byte aligned fp16/bf16/fp32 tensors on
     ``out``'s device, grouped by dtype) into ``out[rows]``. Per MAXT tensors: a stage-1 launch per
     dtype and one stage-2 launch, the tensor table passed by value. No host sync, no copy.
-    ``numel``/``ptr``: the views' element counts and addresses, where the caller has them."""
+    ``numel``/``ptr``: the views' element counts and addresses, where the caller has them.
+    ``gate``: an int32 device tensor that stage 2 sets to 1 when a row counts a NaN or an Inf
+    (see :func:`run_flags`)."""
     dev = out.device
+    if gate is None:
+        gate = _scratch_gate(dev)
     stream = torch.cuda.current_stream(dev)
     acc = _accumulators(dev, stream, hist_width(fmt) + 4)
     k2 = _kernel("stage2", torch.float16, fmt, dev)
@@ -239,4 +255,66 @@ def run(views: Sequence[torch.Tensor], rows: Sequence[int], fmt: Format, out: to
             if c1 > c0:
                 _kernel("stage1", dtypes[lo + g0], fmt, dev)(c1 - c0, NT, (table, m, g0, g1, c0, acc), stream)
             g0 = g1
-        k2(m, NT2, (table, m, acc, out, width), stream)
+        k2(m, NT2, (table, m, acc, out, width, gate), stream)
+
+
+# -- NaN/Inf flags behind a gate (_flags_cuda_kernel.cu) ---------------------------------------
+FLAG_SOURCE = Path(__file__).with_name("_flags_cuda_kernel.cu")
+FMAXT = 64                     # tensors a flags launch takes
+FCHUNK = 1 << 16               # elements per block of the flags kernel
+FNT = 256                      # threads per block
+FGRID = 4096                   # blocks at most (each loops over chunks): few to exit when the gate is shut
+_FTable = ctypes.c_int64 * (4 * FMAXT + 1)
+
+
+def _flag_kernel(dev: torch.device) -> _Kernel:
+    key = ("nonfinite", dev.index)
+    k = _cache.get(key)
+    if k is None:
+        with torch.cuda.device(dev):
+            k = _Kernel(torch.cuda._compile_kernel(FLAG_SOURCE.read_text(), "nonfinite"))
+        _cache[key] = k
+    return k
+
+
+def flags_available(dev: torch.device) -> bool:
+    """Whether NVRTC compiles and loads the flags kernel here (tries once per device)."""
+    ok = _flags_ok.get(dev.index)
+    if ok is None:
+        try:
+            _flag_kernel(dev)
+            ok = True
+        except Exception as e:  # pragma: no cover - as available()
+            log.info("ampdoctor: NVRTC flags kernel unavailable (%s: %s)", type(e).__name__, e)
+            ok = False
+        _flags_ok[dev.index] = ok
+    return ok
+
+
+_flags_ok: dict[int | None, bool] = {}
+
+
+def run_flags(numel: Sequence[int], ptr: Sequence[int], kinds: Sequence[int], gate: torch.Tensor,
+              out: torch.Tensor) -> None:
+    """Set ``out[i]`` (float64, zeroed by the caller) to 1.0 where tensor ``i`` (its element count,
+    16-byte aligned address and dtype kind; contiguous) holds a NaN or an Inf, if ``gate`` (int32,
+    same device) is non-zero when the launch runs; if it is zero, nothing is read. One launch per
+    FMAXT tensors, the table passed by value. No host sync, no copy."""
+    dev = out.device
+    stream = torch.cuda.current_stream(dev)
+    k = _flag_kernel(dev)
+    n = np.asarray(numel, dtype=np.int64)
+    nch = -(-n // FCHUNK)
+    base = out.data_ptr()
+    for lo in range(0, len(n), FMAXT):
+        hi = min(lo + FMAXT, len(n))
+        m = hi - lo
+        t = np.zeros(4 * FMAXT + 1, dtype=np.int64)
+        t[:m] = np.asarray(ptr[lo:hi], dtype=np.int64)
+        t[FMAXT:FMAXT + m] = n[lo:hi]
+        t[2 * FMAXT:2 * FMAXT + m] = np.asarray(kinds[lo:hi], dtype=np.int64)
+        np.cumsum(nch[lo:hi], out=t[3 * FMAXT + 1:3 * FMAXT + 1 + m])
+        t[3 * FMAXT + 1 + m:] = t[3 * FMAXT + m]  # first[m] is the total
+        total = int(t[3 * FMAXT + m])
+        if total:
+            k(min(total, FGRID), FNT, (_FTable.from_buffer(t), m, gate, ctypes.c_void_p(base + 8 * lo)), stream)

@@ -48,6 +48,9 @@ BUDGET_BYTES = 64 << 20  # bytes of tensors held by a batch before it is measure
 _DEFAULT_BUDGET = BUDGET_BYTES
 _weakref = weakref.ref
 EAGER = os.environ.get("AMPDOCTOR_EAGER", "0") == "1"  # measure every tensor in its hook (no batching)
+# tensors measured only for a first-non-finite flag get a NaN/Inf check behind the step's gate
+# (see StepRows.flag_slots); "0": full statistics rows for them too, as rows of their own
+GATED_FLAGS = os.environ.get("AMPDOCTOR_FLAG_GATE", "1") != "0"
 
 
 def _allocated(dev: torch.device) -> int:
@@ -75,6 +78,7 @@ class RowPolicy:
         self.on_stale = on_stale
         self._cuda_tried = False
         self.peaks: dict = {}  # CUDA device -> peak allocated bytes when the first recorded step ended
+        self._gated: dict = {}  # device -> whether flag-only tensors get the gated NaN/Inf check there
 
     def fit_budget(self, devices: set) -> None:
         """On CUDA, after the first recorded step: a budget of 3% of the peak memory so far
@@ -103,6 +107,24 @@ class RowPolicy:
         """How much a batch past its budget grows between two looks at the allocator."""
         return 2 * self.budget
 
+    def gated(self, dev: torch.device) -> bool:
+        """Whether tensors measured only for a flag get the gated NaN/Inf check on ``dev``
+        (the CPU, and CUDA devices served by the NVRTC kernels) rather than a full row."""
+        ok = self._gated.get(dev)
+        if ok is None:
+            ok = False
+            if GATED_FLAGS and not EAGER:
+                if dev.type == "cpu":
+                    ok = True
+                elif dev.type == "cuda":
+                    from . import stats_cuda
+                    try:
+                        ok = _stats._backend is stats_cuda.fused_batch_stats and stats_cuda.flags_backend(dev)
+                    except Exception:  # pragma: no cover - no NVRTC: full rows
+                        ok = False
+            self._gated[dev] = ok
+        return ok
+
     def cuda_seen(self) -> None:
         if not self._cuda_tried:
             self._cuda_tried = True
@@ -127,24 +149,48 @@ class StepRows:
         self._seen: dict[int, tuple[Any, int, int]] = {}  # id(t) -> (weakref, _version, slot)
         self.changed = 0  # look-ups that found a tensor changed in place since its slot was made
         self._devices: set[torch.device] = set()
+        # tensors measured only for a NaN/Inf flag (see flag_slots): slot -> its waiting entry
+        # (slot, t, _version, key, device), None once measured
+        self._fslots: dict[int, tuple | None] = {}
+        self._fpending: dict[int, tuple] = {}
+        self.fblocks: list[tuple[torch.Tensor, list[int]]] = []  # (flags on device, their slots)
+        self._gates: dict[torch.device, torch.Tensor] = {}  # CUDA: this step's gate, per device
+        self._cpu_open = False  # the CPU's gate: a CPU row of this step counted a NaN or an Inf
+        self._cpu_scan = 0      # blocks looked at for it
 
     def __bool__(self) -> bool:
         return self.n_slots > 0
 
     # -- from the hooks ------------------------------------------------------------------
-    def slot_of(self, t: torch.Tensor, key: Hashable, nbytes: int | None = None) -> int:
+    def slot_of(self, t: torch.Tensor, key: Hashable, nbytes: int | None = None, flag: bool = False) -> int:
         """The slot measuring ``t`` as it is now (no host sync). ``nbytes``: ``t``'s size in bytes
-        when the caller knows it already."""
+        when the caller knows it already. ``flag``: only its NaN/Inf flag is needed (see
+        :meth:`flag_slots`); otherwise the slot gives a full row."""
         hit = self._seen.get(id(t))
         if hit is not None:
             if hit[1] == t._version:
                 if hit[0]() is t:
-                    return hit[2]
+                    slot = hit[2]
+                    if flag or slot not in self._fslots:
+                        return slot
+                    return self._upgrade(slot, t, key, nbytes)
             elif hit[0]() is t:
                 self.changed += 1
+        return self._new_slot(t, key, nbytes, flag)
+
+    def _upgrade(self, slot: int, t: torch.Tensor, key: Hashable, nbytes: int | None) -> int:
+        """A row is wanted of a tensor that had a flag-only slot: the slot becomes a full one if
+        it still waits; if it was measured already, ``t`` gets a new, full slot."""
+        self._fslots.pop(slot)
+        entry = self._fpending.pop(slot, None)
+        if entry is not None:
+            _, _, ver, k, dev = entry
+            self._pending.append((slot, t, ver, k, False, dev))
+            return slot
+        del self._seen[id(t)]
         return self._new_slot(t, key, nbytes)
 
-    def _new_slot(self, t: torch.Tensor, key: Hashable, nbytes: int | None = None) -> int:
+    def _new_slot(self, t: torch.Tensor, key: Hashable, nbytes: int | None = None, flag: bool = False) -> int:
         ver = t._version
         slot = self.n_slots
         self.n_slots += 1
@@ -159,13 +205,22 @@ class StepRows:
         measured = False
         if EAGER or not pol.calibrated or (pol.volatile and key in pol.volatile):
             try:
-                self.blocks.append((_stats.batch_stats([t], pol.fmt), [slot]))
+                gate = self._gates.get(dev)
+                self.blocks.append((_stats.batch_stats([t], pol.fmt) if gate is None else
+                                    _stats.batch_stats([t], pol.fmt, gate), [slot]))
             except Exception:
                 self.dropped.add(slot)
                 raise
             if pol.calibrated or EAGER:
                 return slot
             measured = True  # calibration: also wait in the batch, to learn whether it would go stale
+        elif flag and pol.gated(dev):
+            entry = (slot, t, ver, key, dev)
+            self._fslots[slot] = self._fpending[slot] = entry
+            # its bytes count towards the batch, but a flag never starts a flush itself: the tensor
+            # recorded next (its module's output, ...) is measured with it, before its gate is read
+            self._pending_bytes += t.numel() * t.element_size() if nbytes is None else nbytes
+            return slot
         self._pending.append((slot, t, ver, key, measured, dev))
         self._pending_bytes += t.numel() * t.element_size() if nbytes is None else nbytes
         if self._pending_bytes > self._check_at:
@@ -179,6 +234,8 @@ class StepRows:
         self._devices.add(dev)
         if dev.type == "cuda":
             self.policy.cuda_seen()
+            if self.policy.gated(dev):  # the step's gate: set by the stats of any row with NaN/Inf
+                self._gates[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
 
     def add_now(self, metas: Sequence[tuple], tensors: Sequence[torch.Tensor]) -> None:
         """Rows ``metas`` of ``tensors``, each in a slot of its own, measured now with the tensors
@@ -200,19 +257,30 @@ class StepRows:
         hit = self._seen.get(id(t))
         if hit is not None and hit[1] == t._version and hit[0]() is t:
             slot = hit[2]
+            if slot in self._fslots:
+                slot = self._upgrade(slot, t, key, meta[-1])
         else:
             slot = self._new_slot(t, key, meta[-1])
         self.meta.append(meta)
         self.slots.append(slot)
 
     def flag_slots(self, tensors: Sequence[torch.Tensor], key: Hashable) -> tuple[int, ...] | None:
-        """Slots whose rows say whether ``tensors`` hold NaN/Inf (``None`` if all are empty)."""
+        """Slots that say whether ``tensors`` hold NaN/Inf (``None`` if all are empty).
+
+        A tensor that has a row anyway is read off its row. One measured for its flag alone (a
+        module input that no module outputs, such as a residual sum, and its gradient) gets a
+        NaN/Inf check, measured after the rows of its batch and behind the step's *gate*: only
+        once a row measured so far in the step (that batch included) counted a NaN or an Inf.
+        On a step where nothing did, these tensors are not read at all and their flags are 0:
+        a NaN in such a tensor shows in the rows after it (its module's output), which opens the
+        gate before it is checked. Where the gate is not available (no NVRTC, EAGER), such
+        tensors get full rows as before."""
         if len(tensors) == 1:  # the common case, without a generator
             t = tensors[0]
             if not t.numel():
                 return None
-            return (self.slot_of(t, (key, 0)),)
-        out = tuple(self.slot_of(t, (key, i)) for i, t in enumerate(tensors) if t.numel())
+            return (self.slot_of(t, (key, 0), None, True),)
+        out = tuple(self.slot_of(t, (key, i), None, True) for i, t in enumerate(tensors) if t.numel())
         return out or None
 
     # -- flush points --------------------------------------------------------------------
@@ -220,6 +288,8 @@ class StepRows:
         """Measure the waiting tensors now (kernel launches; no host sync), with ``now``'s
         (tensors, their slots, their devices): tensors handed over to be measured at once."""
         if not self._pending and now is None:
+            if self._fpending:
+                self._measure_flags()
             return
         pol = self.policy
         pending, self._pending, self._pending_bytes = self._pending, [], 0
@@ -251,21 +321,66 @@ class StepRows:
                     group = by_dev.setdefault(dev, ([], []))
                     group[0].append(t)
                     group[1].append(slot)
-        for ts, ss in by_dev.values():
-            self._measure(ts, ss)
+        for dev, (ts, ss) in by_dev.items():
+            self._measure(ts, ss, dev)
+        if self._fpending:
+            self._measure_flags()
 
-    def _measure(self, ts: list[torch.Tensor], ss: list[int]) -> None:
+    def _measure(self, ts: list[torch.Tensor], ss: list[int], dev: torch.device | None = None) -> None:
         """One batch of tensors (one device) into a block of rows for slots ``ss``."""
         fmt = self.policy.fmt
+        gate = self._gates.get(dev) if self._gates else None
+        stats = _stats.batch_stats if gate is None else (lambda x, f: _stats.batch_stats(x, f, gate))
         try:
-            self.blocks.append((_stats.batch_stats(ts, fmt), ss))
+            self.blocks.append((stats(ts, fmt), ss))
         except Exception as e:  # one odd tensor must not cost the batch: measure one by one
             log.info("ampdoctor: batched statistics failed (%s: %s); measuring one by one", type(e).__name__, e)
             for t, slot in zip(ts, ss):
                 try:
-                    self.blocks.append((_stats.batch_stats([t], fmt), [slot]))
+                    self.blocks.append((stats([t], fmt), [slot]))
                 except Exception:
                     self.dropped.add(slot)
+
+    def _measure_flags(self) -> None:
+        """The waiting flag-only tensors: their NaN/Inf checks, behind the gate (after the rows)."""
+        pol = self.policy
+        waiting, self._fpending = self._fpending, {}
+        by_dev: dict[torch.device, tuple[list, list]] = {}
+        for slot, t, ver, key, dev in waiting.values():
+            self._fslots[slot] = None
+            if t._version != ver:
+                pol.volatile.add(key)
+                self.dropped.add(slot)
+                if pol.on_stale is not None:
+                    pol.on_stale(key)
+                continue
+            group = by_dev.get(dev)
+            if group is None:
+                group = by_dev[dev] = ([], [])
+            group[0].append(t)
+            group[1].append(slot)
+        for dev, (ts, ss) in by_dev.items():
+            try:
+                if dev.type == "cuda":
+                    from . import stats_cuda
+                    self.fblocks.append((stats_cuda.fused_nonfinite(ts, self._gates[dev]), ss))
+                else:
+                    self.fblocks.append((self._cpu_flags(ts), ss))
+            except Exception as e:  # pragma: no cover - never break training for a statistic
+                log.info("ampdoctor: NaN/Inf checks failed (%s: %s)", type(e).__name__, e)
+                self.dropped.update(ss)
+
+    def _cpu_flags(self, ts: list[torch.Tensor]) -> torch.Tensor:
+        """The CPU's gated checks: read only once a CPU row of this step counted NaN/Inf."""
+        if not self._cpu_open:
+            for b, _ in self.blocks[self._cpu_scan:]:
+                if b.device.type == "cpu" and bool((b[:, 1:4] != 0).any()):
+                    self._cpu_open = True
+                    break
+            self._cpu_scan = len(self.blocks)
+        if not self._cpu_open:
+            return torch.zeros(len(ts), dtype=torch.float64)
+        return _stats.batch_nonfinite(ts)
 
     def finish(self) -> None:
         """The step's last flush: measure what waits, forget rows that could not be measured."""
@@ -281,13 +396,19 @@ class StepRows:
 
     # -- reading ---------------------------------------------------------------------------
     def device_pieces(self) -> list[torch.Tensor]:
-        """The measured blocks, for the step's single host transfer."""
-        return [b for b, _ in self.blocks]
+        """The measured blocks (rows, then flags), for the step's single host transfer."""
+        return [b for b, _ in self.blocks] + [f for f, _ in self.fblocks]
 
     def host_table(self, host_blocks: Sequence[np.ndarray], width: int) -> np.ndarray:
-        """All slots' rows on the host, ``(n_slots, width)``; dropped slots are NaN."""
+        """All slots' rows on the host, ``(n_slots, width)``, from :meth:`device_pieces`' host
+        copies; dropped slots are NaN. A flag-only slot's row is zeros but for its NaN count,
+        which holds its flag (1 or 0): it is read by :func:`ampdoctor.attribution.bad_rows` only."""
         table = np.full((self.n_slots, width), np.nan)
-        for (_, slots), h in zip(self.blocks, host_blocks):
+        nb = len(self.blocks)
+        for (_, slots), h in zip(self.blocks, host_blocks[:nb]):
             table[slots] = np.asarray(h).reshape(len(slots), width)
+        for (_, slots), h in zip(self.fblocks, host_blocks[nb:]):
+            table[slots] = 0.0
+            table[slots, 1] = np.asarray(h).reshape(len(slots))
         return table
 

@@ -517,7 +517,7 @@ class Session:
         width = _stats.row_width(self.fmt)
         copy = self._prefetched or self._start_copy(rows, flags, self._pending_scalars)
         take = copy.reader()
-        table = rows.host_table([take("block") for _ in rows.blocks], width)
+        table = rows.host_table([take("block") for _ in range(len(rows.blocks) + len(rows.fblocks))], width)
         host_rows = table[rows.slots] if rows.slots else np.zeros((0, width))
         if flags:
             bad = bad_rows(table, rows.dropped)  # per slot, as rows.nonfinite

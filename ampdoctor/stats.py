@@ -182,15 +182,24 @@ def set_backend(fn: Callable[[Sequence[torch.Tensor], Format], torch.Tensor] | N
     _backend = fn
 
 
-def batch_stats(tensors: Sequence[torch.Tensor], fmt: Format) -> torch.Tensor:
-    """Rows for many tensors on one device, shape ``(len(tensors), row_width(fmt))``."""
+def batch_stats(tensors: Sequence[torch.Tensor], fmt: Format, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows for many tensors on one device, shape ``(len(tensors), row_width(fmt))``.
+    ``gate``: an int32 tensor on that device, set to 1 (no sync) if a row counts a NaN or an Inf."""
     if not tensors:
         return torch.zeros((0, row_width(fmt)), dtype=torch.float64)
     if _backend is not None:
-        out = _backend(tensors, fmt)
+        out = _backend(tensors, fmt) if gate is None else _backend(tensors, fmt, gate=gate)
         if out is not None:
             return out
-    return _torch_batch(tensors, fmt)
+    out = _torch_batch(tensors, fmt)
+    if gate is not None:
+        torch.bitwise_or(gate, (out[:, 1:4] != 0).any().to(gate.dtype), out=gate)
+    return out
+
+
+def batch_nonfinite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Per tensor, 1.0 if it holds a NaN or an Inf, else 0.0 (float64, torch ops, no host sync)."""
+    return torch.stack([(~torch.isfinite(t.detach())).any() for t in tensors]).to(torch.float64)
 
 
 def decode_row(row: Sequence[float], fmt: Format) -> dict:

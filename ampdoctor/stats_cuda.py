@@ -197,10 +197,17 @@ def _to_device(arr: np.ndarray, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def fused_batch_stats(tensors: Sequence[torch.Tensor], fmt: Format, *, _allow_cpu: bool = False) -> torch.Tensor | None:
+def _or_gate(gate: torch.Tensor, rows: torch.Tensor) -> None:
+    """``gate |= any row counts a NaN or an Inf`` (device ops, no sync)."""
+    torch.bitwise_or(gate, (rows[:, 1:4] != 0).any().to(gate.dtype), out=gate)
+
+
+def fused_batch_stats(tensors: Sequence[torch.Tensor], fmt: Format, *, _allow_cpu: bool = False,
+                      gate: torch.Tensor | None = None) -> torch.Tensor | None:
     """Rows of ``tensors`` (all on one CUDA device), shape ``(N, row_width(fmt))``, float64.
     Returns ``None`` (the caller falls back to the torch path) when the tensors are not on one
-    CUDA device or Triton is unavailable. Never syncs with the device."""
+    CUDA device or Triton is unavailable. Never syncs with the device. ``gate``: an int32 device
+    tensor set to 1 if a row counts a NaN or an Inf (see :func:`fused_nonfinite`)."""
     if not tensors:
         return None
     dev = tensors[0].device
@@ -210,6 +217,7 @@ def fused_batch_stats(tensors: Sequence[torch.Tensor], fmt: Format, *, _allow_cp
     if which is None:
         return None
     kinds = _stats_nvrtc.KINDS if which == "nvrtc" else _KINDS
+    gate_all = False
     width = _stats.row_width(fmt)
     n = len(tensors)
     out = torch.empty((n, width), dtype=torch.float64, device=dev)
@@ -241,8 +249,11 @@ def fused_batch_stats(tensors: Sequence[torch.Tensor], fmt: Format, *, _allow_cp
             g.append(i)
     if groups and which == "nvrtc":
         order = [i for g in groups.values() for i in g]
-        _stats_nvrtc.run([views[i] for i in order], order, fmt, out, [numel[i] for i in order], [ptr[i] for i in order])
+        _stats_nvrtc.run([views[i] for i in order], order, fmt, out, [numel[i] for i in order], [ptr[i] for i in order],
+                         gate)
         groups = {}
+    elif groups and gate is not None:
+        gate_all = True  # the Triton kernels do not set it: from all rows at the end
     kern = _kernels() if groups else None
     if groups:
         order = [i for g in groups.values() for i in g]
@@ -287,4 +298,57 @@ def fused_batch_stats(tensors: Sequence[torch.Tensor], fmt: Format, *, _allow_cp
                      CB=max(1, 8192 // p)), 8, dev)
     for i in other:
         out[i] = _stats.tensor_stats(tensors[i], fmt)
+    if gate is not None and (other or gate_all):
+        _or_gate(gate, out)
+    return out
+
+
+_FLAG_KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+
+
+def flags_backend(dev: torch.device) -> bool:
+    """Whether :func:`fused_nonfinite` serves ``dev``: the NVRTC statistics path (whose stage 2
+    sets the gate) and the flags kernel both work there."""
+    return dev.type == "cuda" and backend(dev) == "nvrtc" and _stats_nvrtc.flags_available(dev)
+
+
+def fused_nonfinite(tensors: Sequence[torch.Tensor], gate: torch.Tensor) -> torch.Tensor:
+    """Per tensor (all on ``gate``'s CUDA device), 1.0 if it holds a NaN or an Inf, else 0.0,
+    float64 ``(N,)``: read only if ``gate`` is non-zero when the launch runs (set by the statistics
+    rows measured before it with that gate); all 0.0 otherwise. Tensors of other dtypes (fp64, fp8)
+    are checked with torch ops whatever the gate. Never syncs with the device."""
+    dev = gate.device
+    n = len(tensors)
+    out = torch.zeros(n, dtype=torch.float64, device=dev)
+    numel: list[int] = []
+    ptr: list[int] = []
+    kinds: list[int] = []
+    rows: list[int] = []
+    keep = []
+    for i, t in enumerate(tensors):
+        kind = _FLAG_KINDS.get(t.dtype)
+        k = t.numel()
+        if kind is None or k > _MAX_NUMEL:
+            out[i] = (~torch.isfinite(t.detach())).any()
+            continue
+        a = t.data_ptr()
+        if a % 16 or not t.is_contiguous():
+            t = t.detach().contiguous()
+            a = t.data_ptr()
+            if k and a % 16:
+                t = t.clone()
+                a = t.data_ptr()
+            keep.append(t)
+        numel.append(k)
+        ptr.append(a)
+        kinds.append(kind)
+        rows.append(i)
+    if rows:
+        if len(rows) == n:
+            _stats_nvrtc.run_flags(numel, ptr, kinds, gate, out)
+        else:  # write into a compact buffer, then scatter (the kernel writes entries in order)
+            part = torch.zeros(len(rows), dtype=torch.float64, device=dev)
+            _stats_nvrtc.run_flags(numel, ptr, kinds, gate, part)
+            out[_to_device(np.asarray(rows, dtype=np.int64), dev)] = part
+    del keep  # contiguous copies: the caching allocator keeps their memory until the kernel ran
     return out

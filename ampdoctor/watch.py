@@ -152,8 +152,8 @@ class _GradWork(list):
                 if is_flag:  # Session.add_flag(.., flag_slots(..)), inline (hundreds a step)
                     if not n or not s.attributing:
                         continue
-                    if slot < 0:
-                        slot = rows.slot_of(grad, ((lid, "flag", name), 0))
+                    if slot < 0:  # a flag-only slot unless a row of it is asked for too
+                        slot = rows.slot_of(grad, ((lid, "flag", name), 0), None, all(e[0] for e in self))
                     s._flags.append((slot,))
                     s._flag_meta.append((lid, call, name))
                 else:  # Session.add_stats, inline
@@ -309,7 +309,7 @@ class Watch:
             if t.dtype.is_floating_point and t.layout == _strided and not t.is_meta:
                 try:
                     if t.numel():
-                        flag = (rows.slot_of(t, key),)
+                        flag = (rows.slot_of(t, key, None, True),)
                     if t.requires_grad:
                         self._grad_work(t, ((True, lid, "gin", call),))
                 except Exception as e:  # pragma: no cover - as Session.flag_slots
@@ -453,7 +453,7 @@ class Watch:
                             s._flags.append(in_flag)
                             s._flag_meta.append((lid, call, "in"))
                         if n:
-                            slot = rows.slot_of(out, out_key)
+                            slot = rows.slot_of(out, out_key, None, not record_stats)
                             s._flags.append((slot,))
                             s._flag_meta.append((lid, call, "out"))
                         if out.requires_grad:

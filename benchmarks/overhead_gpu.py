@@ -38,6 +38,7 @@ from _harness import (  # noqa: E402
 from _models import Encoder  # noqa: E402
 
 import ampdoctor  # noqa: E402
+from ampdoctor import rows as rows_mod  # noqa: E402
 from ampdoctor import session as session_mod  # noqa: E402
 from ampdoctor import stats_cuda  # noqa: E402
 from ampdoctor.attribution import Attribution  # noqa: E402
@@ -177,6 +178,16 @@ def _flags():
     Attribution.done = _DONE
 
 
+def _ungated():
+    """Tensors measured only for a flag get full statistics rows, read every step (as before the
+    seventh session), instead of the gated NaN/Inf check."""
+    rows_mod.GATED_FLAGS = False
+
+
+def _gated():
+    rows_mod.GATED_FLAGS = True
+
+
 def count_syncs(step, config: Config, n: int) -> dict:
     """Host syncs and device-to-host copies per step, from a profiler trace and from
     ``torch.cuda.set_sync_debug_mode('warn')``."""
@@ -301,7 +312,8 @@ def main() -> None:
     p.add_argument("--steps", default="10,20", help="timed steps per round, per regime (multiples of 10)")
     p.add_argument("--slow-steps", type=int, default=3, help="timed steps per round for the slow tools")
     p.add_argument("--no-others", action="store_true", help="skip HF DebugUnderflowOverflow and detect_anomaly")
-    p.add_argument("--ablations", action="store_true", help="also every=1 with a blocking host read, and with no attribution flags")
+    p.add_argument("--ablations", action="store_true", help="also every=1 with a blocking host read, with no attribution flags, "
+                   "and with the flags' tensors measured as full rows (not gated)")
     p.add_argument("--torch-path", action="store_true",
                    help="also every=1 with the torch-ops statistics (slow: minutes per step at B=128 T=512)")
     p.add_argument("--sync-steps", type=int, default=10)
@@ -339,7 +351,8 @@ def main() -> None:
             configs += [hooks_only(model), hooks_only(model, read=True), measure_only(model, step.opt)]
         if args.ablations:
             configs += [watch_config("every=1, blocking read", model, 1, before=_no_defer, after=_defer),
-                        watch_config("every=1, no attribution flags", model, 1, before=_no_flags, after=_flags)]
+                        watch_config("every=1, no attribution flags", model, 1, before=_no_flags, after=_flags),
+                        watch_config("every=1, flags not gated", model, 1, before=_ungated, after=_gated)]
         if args.torch_path:
             configs += [watch_config("every=1, torch path", model, 1, before=_torch_path, after=_fused_path)]
         if not args.no_others:

@@ -100,9 +100,10 @@ def test_change_in_place_only_later_is_dropped_not_wrong(tmp_path, monkeypatch):
 
 
 def test_flags_cost_no_kernel_of_their_own(tmp_path, monkeypatch):
-    calls = []
-    real = rows_mod._stats.batch_stats
+    calls, checks = [], []
+    real, real_nf = rows_mod._stats.batch_stats, rows_mod._stats.batch_nonfinite
     monkeypatch.setattr(rows_mod._stats, "batch_stats", lambda ts, fmt: calls.append(len(ts)) or real(ts, fmt))
+    monkeypatch.setattr(rows_mod._stats, "batch_nonfinite", lambda ts: checks.append(len(ts)) or real_nf(ts))
     model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 1))
     with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")) as w:
         _train(model, 1, micro=1)  # step 0: calibration, every tensor measured in its hook
@@ -112,9 +113,11 @@ def test_flags_cost_no_kernel_of_their_own(tmp_path, monkeypatch):
     r = TraceReader(tmp_path / "t.sqlite")
     step1 = [s for s in r.stats() if s["step"] == 1]
     # one launch at the end of backward, one for the weights at the step boundary; every flag is
-    # read off a row, and only the model's input is measured for a flag alone
+    # read off a row; the model's input, measured for a flag alone, gets the gated check, which
+    # reads nothing on a step without NaN/Inf
     assert len(calls) == 2
-    assert sum(calls) == len(step1) + 1
+    assert sum(calls) == len(step1)
+    assert checks == []
 
 
 def test_batch_past_budget_grows_only_under_the_peak(monkeypatch):

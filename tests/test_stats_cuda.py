@@ -202,3 +202,73 @@ def test_recorded_steps_do_not_sync_in_hooks(tmp_path):
                 torch.cuda.set_sync_debug_mode(0)
     r = TraceReader(tmp_path / "t.sqlite")
     assert [s["step"] for s in r.steps()] == [0, 1, 2, 3]
+
+
+def test_gate_and_nonfinite_flags(_fused):
+    """Stage 2 sets the gate exactly when a row counts NaN/Inf; the flags kernel reads nothing
+    while the gate is 0 and gives the torch path's NaN/Inf flag once it is set."""
+    fmt = FORMATS["fp16"]
+    g = torch.Generator().manual_seed(3)
+    ts = _tensors(g)
+    clean = [t for t in ts if t.numel() and bool(torch.isfinite(t.float()).all())]
+    gate = torch.zeros(1, dtype=torch.int32, device="cuda")
+    stats.batch_stats(clean, fmt, gate)
+    assert int(gate) == 0
+    stats.batch_stats(clean + [ts[0] if not bool(torch.isfinite(ts[0].float()).all()) else ts[-10]], fmt, gate)
+    ref = torch.stack([(~torch.isfinite(t.float())).any() for t in ts]).double()
+    assert int(gate) == int(bool(ref.any()))
+    if _fused != "nvrtc":
+        return
+    shut = torch.zeros(1, dtype=torch.int32, device="cuda")
+    assert stats_cuda.fused_nonfinite(ts, shut).abs().sum().item() == 0
+    assert torch.equal(stats_cuda.fused_nonfinite(ts, gate), ref)
+    big = torch.randn(30_000_000, device="cuda", dtype=torch.float16)  # many chunks, more than the grid
+    for i in (0, 65535, 65536, 29_999_999):
+        big[i] = float("nan")
+        assert stats_cuda.fused_nonfinite([big, big[:i], big[i:]], gate).tolist() == [1.0, 0.0, 1.0]
+        big[i] = 0.0
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        stats_cuda.fused_nonfinite(ts[:40], gate)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+
+
+def test_gated_flags_on_cuda_attribute_as_full_rows(tmp_path, monkeypatch, _fused):
+    """A residual sum that overflows (pure half): the flag-only tensor's gated check on the GPU
+    names the block, as full rows for every tensor do."""
+    from ampdoctor import rows as rows_mod
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.norm = nn.Linear(16, 16), nn.LayerNorm(16)
+
+        def forward(self, x):
+            return self.norm(x + self.lin(x))
+
+    got = {}
+    for gated in (False, True):
+        monkeypatch.setattr(rows_mod, "GATED_FLAGS", gated)
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), Block(), nn.Linear(16, 1)).cuda().half()
+        with torch.no_grad():
+            model[1].lin.weight.copy_(torch.eye(16))
+            model[1].lin.bias.zero_()
+            model[0].weight.fill_(0.25)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        path = tmp_path / f"g{int(gated)}.sqlite"
+        with ampdoctor.watch(model, trace=str(path)) as w:
+            for i in range(5):  # the residual sum: 8000 * 2**i, inf at step 4
+                x = torch.full((2, 8), 2000.0 * 2 ** i, device="cuda").half()
+                (model(x).float().mean() * 1e-3).backward()
+                opt.step()
+                opt.zero_grad()
+            uses_gate = w.session._rows.policy.gated(torch.device("cuda", torch.cuda.current_device()))
+        assert uses_gate == (gated and _fused == "nvrtc")
+        r = TraceReader(path)
+        got[gated] = [(e["kind"], e["step"], e["layer"], sorted(e["detail"].items())) for e in r.events()
+                      if e["kind"] in ("first_nonfinite", "grad_nonfinite")]
+    assert got[True] == got[False]
+    assert any(k == "first_nonfinite" and layer == "1" and step >= 1 for k, step, layer, _ in got[True]), got

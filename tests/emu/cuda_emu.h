@@ -14,7 +14,7 @@ typedef unsigned int u32;
 typedef long long i64;
 typedef unsigned long long u64;
 struct dim3_ { unsigned x, y, z; };
-static dim3_ threadIdx = {0, 0, 0}, blockIdx = {0, 0, 0}, blockDim = {1, 1, 1};
+static dim3_ threadIdx = {0, 0, 0}, blockIdx = {0, 0, 0}, blockDim = {1, 1, 1}, gridDim = {1, 1, 1};
 struct uint4 { u32 x, y, z, w; };
 using std::max;
 using std::min;
@@ -23,6 +23,7 @@ static inline int __syncthreads_or(int p) { return p; }
 template <class T> static inline T __shfl_xor_sync(unsigned, T v, int) { return v; }
 template <class T> static inline T atomicAdd(T* p, T v) { T o = *p; *p += v; return o; }
 template <class T> static inline T atomicMax(T* p, T v) { T o = *p; *p = std::max(o, v); return o; }
+template <class T> static inline T atomicOr(T* p, T v) { T o = *p; *p |= v; return o; }
 static inline u32 __float_as_uint(float f) { u32 u; std::memcpy(&u, &f, 4); return u; }
 static inline float __uint_as_float(u32 u) { float f; std::memcpy(&f, &u, 4); return f; }
 static inline int __clz(int x) { return x ? __builtin_clz((unsigned)x) : 32; }

@@ -32,7 +32,9 @@ int main(int argc, char** argv) {
     }
     std::vector<double> out((size_t)width);
     blockIdx.x = 0;
-    stage2(meta, 1, acc.data(), out.data(), width);
+    int gate = 0;
+    stage2(meta, 1, acc.data(), out.data(), width, &gate);
+    if ((gate != 0) != (out[1] + out[2] + out[3] != 0.0)) return 5;  // the gate: set iff NaN/Inf counted
     for (unsigned long long v : acc)
         if (v) return 4;  // stage 2 leaves the accumulators zeroed for the next flush
     f = fopen(argv[2], "wb");

@@ -1,0 +1,163 @@
+"""Tensors measured only for a first-non-finite flag (a module input that no module outputs, such
+as a residual sum before a LayerNorm, and its gradient) get a NaN/Inf check behind the step's
+gate (ampdoctor.rows.StepRows.flag_slots): not read at all until a row of the step counts a NaN or
+an Inf, exact from then on. The first-non-finite events must be those of full rows for every
+tensor (AMPDOCTOR_FLAG_GATE=0)."""
+
+import numpy as np
+import pytest
+import torch
+from helpers import Attn, train
+from torch import nn
+
+import ampdoctor
+from ampdoctor import rows as rows_mod
+from ampdoctor import stats
+from ampdoctor.attribution import bad_rows
+from ampdoctor.formats import get_format
+from ampdoctor.trace import TraceReader
+
+
+def _policy():
+    pol = rows_mod.RowPolicy(get_format("fp16"))
+    pol.calibrated = True  # past the first recorded step: tensors wait in batches
+    return pol
+
+
+def _table(step):
+    step.finish()
+    pieces = [p.numpy() for p in step.device_pieces()]
+    return step.host_table(pieces, stats.row_width(get_format("fp16")))
+
+
+def _ref_bad(t):  # numpy: does the tensor hold a NaN or an Inf
+    return bool((~np.isfinite(t.float().numpy())).any())
+
+
+def test_gate_shut_reads_nothing_open_reads_exactly(monkeypatch):
+    reads = []
+    real = stats.batch_nonfinite
+    monkeypatch.setattr(rows_mod._stats, "batch_nonfinite", lambda ts: reads.append(len(ts)) or real(ts))
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(64, generator=g).half()
+    b = torch.randn(64, generator=g).half()
+    b[5] = float("inf")  # would be caught if it were read: the gate is shut, it is not
+    step = rows_mod.StepRows(_policy())
+    fa = step.flag_slots([a], "k1")
+    fb = step.flag_slots([b], "k2")
+    step.add_row(("m", 4 * 64), torch.ones(64), "row")
+    table = _table(step)
+    assert reads == []
+    assert bad_rows(table)[fa[0]] is False and bad_rows(table)[fb[0]] is False
+
+    # a row with NaN opens the gate for the flag-only tensors of its batch and of later batches
+    step = rows_mod.StepRows(_policy())
+    xs = [torch.randn(100, generator=g).to(dt) for dt in (torch.float16, torch.bfloat16, torch.float32)]
+    xs[0][7] = float("nan")
+    xs[2][99] = -float("inf")
+    early = step.flag_slots([xs[0]], "e")  # waits in the batch whose row below counts a NaN
+    bad = torch.ones(8)
+    bad[3] = float("nan")
+    step.add_row(("m", 32), bad, "row")
+    step.flush()
+    late = step.flag_slots(xs[1:], "l")
+    table = _table(step)
+    assert reads == [1, 2]
+    flags = bad_rows(table)
+    assert [flags[s] for s in (*early, *late)] == [_ref_bad(t) for t in xs] == [True, False, True]
+
+
+def test_flag_then_row_is_one_full_slot(monkeypatch):
+    x = torch.randn(16)
+    x[0] = float("inf")
+    step = rows_mod.StepRows(_policy())
+    (s1,) = step.flag_slots([x], "f")
+    step.add_row(("m", 64), x, "r")  # still waiting: the same slot, now a full row
+    assert step.slots == [s1]
+    y = torch.randn(16)
+    (s2,) = step.flag_slots([y], "f2")
+    step.flush()  # y's check is done (gate open: x's row counts an Inf)
+    step.add_row(("m2", 64), y, "r2")  # measured as a flag already: a new, full slot
+    assert step.slots[-1] != s2
+    table = _table(step)
+    assert table[s1, 2] == 1 and table[s1, 0] == 16  # a full row: numel, +Inf count
+    assert table[step.slots[-1], 0] == 16
+
+
+class _PostLN(nn.Module):
+    """A BERT-style block: ``norm(x + lin(x))``; the residual sum is measured for a flag only."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        return self.norm(x + self.lin(x))
+
+
+def _residual_overflow():
+    """Pure half: at step 4 the residual sum overflows (64000 + 64000) from finite inputs; the block's own add
+    is the first producer, not its LayerNorm."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), _PostLN(16), nn.Linear(16, 1)).half()
+    with torch.no_grad():
+        model[1].lin.weight.copy_(torch.eye(16))
+        model[1].lin.bias.zero_()
+        model[0].weight.fill_(0.25)
+    return model, dict(steps=5, scaler=False, autocast=False, lr=0.0, loss_fn=lambda out: out.float().mean() * 1e-3,
+                       make_x=lambda i: torch.full((2, 8), 2000.0 * 2 ** i).half())
+
+
+def _attention():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), Attn(16, gain=1.0), nn.Linear(16, 1))
+    with torch.no_grad():
+        model[0].weight.fill_(0.5)
+        model[1].q.weight.copy_(torch.eye(16) * 30)
+        model[1].k.weight.copy_(torch.eye(16) * 30)
+    return model, dict(steps=4, scaler=False, make_x=lambda i: torch.ones(1, 3, 8) * (0.05 * 4 ** i), lr=0.0)
+
+
+def _backward_overflow():
+    """fp16 autocast + GradScaler: from step 3 on, the backward pass overflows inside the model
+    (a Linear with large weights multiplies the scaled gradient past 65504); skipped steps."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), _PostLN(16), nn.Linear(16, 16), _PostLN(16), nn.Linear(16, 1))
+    with torch.no_grad():
+        model[2].weight.copy_(torch.eye(16) * 40)
+    k = [1e-3]
+
+    def make_x(i):
+        k[0] = 1e-3 if i < 3 else 0.5
+        return torch.randn(4, 8)
+
+    return model, dict(steps=6, make_x=make_x, lr=0.0, loss_fn=lambda out: out.float().sum() * k[0])
+
+
+@pytest.mark.parametrize("case", [_residual_overflow, _attention, _backward_overflow])
+def test_gated_flags_attribute_as_full_rows(tmp_path, monkeypatch, case):
+    got = {}
+    for gated in (False, True):
+        monkeypatch.setattr(rows_mod, "GATED_FLAGS", gated)
+        model, kw = case()
+        path = tmp_path / f"g{int(gated)}.sqlite"
+        with ampdoctor.watch(model, trace=str(path)) as w:
+            train(model, **kw)
+            assert w.session._rows.policy.gated(torch.device("cpu")) is gated
+        r = TraceReader(path)
+        ev = [(e["kind"], e["step"], e["layer"], sorted(e["detail"].items())) for e in r.events()
+              if e["kind"] in ("first_nonfinite", "grad_nonfinite")]
+        key = lambda s: (s["step"], s["layer"], s["kind"], s["slot"], s["call"])  # noqa: E731
+        got[gated] = ev, sorted(r.stats(), key=key)
+    assert got[True][0] and got[True][0] == got[False][0]
+    assert any(step >= 1 for _, step, *_ in got[True][0])  # found past the first (calibration) step
+    assert got[True][1] == got[False][1]  # the rows themselves are untouched
+
+
+def test_residual_overflow_names_the_block_not_its_norm(tmp_path):
+    model, kw = _residual_overflow()
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")):
+        train(model, **kw)
+    ev = [e for e in TraceReader(tmp_path / "t.sqlite").events("first_nonfinite") if e["detail"]["kind"] == "activation"]
+    assert ev and ev[0]["layer"] == "1" and ev[0]["step"] >= 1, ev
