@@ -197,9 +197,18 @@ def batch_stats(tensors: Sequence[torch.Tensor], fmt: Format, gate: torch.Tensor
     return out
 
 
+def nonfinite_any(t: torch.Tensor) -> torch.Tensor:
+    """Whether ``t`` holds a NaN or an Inf: a device bool (torch ops, no host sync). fp8 (which
+    ``isfinite`` does not take) is upcast first, exactly."""
+    x = t.detach()
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        x = x.to(torch.float32)
+    return (~torch.isfinite(x)).any()
+
+
 def batch_nonfinite(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Per tensor, 1.0 if it holds a NaN or an Inf, else 0.0 (float64, torch ops, no host sync)."""
-    return torch.stack([(~torch.isfinite(t.detach())).any() for t in tensors]).to(torch.float64)
+    return torch.stack([nonfinite_any(t) for t in tensors]).to(torch.float64)
 
 
 def decode_row(row: Sequence[float], fmt: Format) -> dict:

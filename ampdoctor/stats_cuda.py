@@ -329,7 +329,7 @@ def fused_nonfinite(tensors: Sequence[torch.Tensor], gate: torch.Tensor) -> torc
         kind = _FLAG_KINDS.get(t.dtype)
         k = t.numel()
         if kind is None or k > _MAX_NUMEL:
-            out[i] = (~torch.isfinite(t.detach())).any()
+            out[i] = _stats.nonfinite_any(t)
             continue
         a = t.data_ptr()
         if a % 16 or not t.is_contiguous():
