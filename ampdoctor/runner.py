@@ -137,18 +137,18 @@ def _attach_probe(watch: Any, config: RunConfig, probes: list) -> None:
 def _write_probe(session: Session, probe: Any) -> None:
     try:
         probe.remove()
-        seen = 0
         picks = [probe.first, probe.worst, probe.worst_backward]
+        written: set[int] = set()  # a pick is one of the findings too: one event each
         for f in [*picks, *probe.findings[:50]]:
-            if f is None:
+            if f is None or id(f) in written:
                 continue
+            written.add(id(f))
             d = f.to_dict()
             d["layer"] = probe.prefix + d["layer"]
             d.pop("step", None)
             session.writer.add_event(f.step, "op", d["layer"], pick=("first" if f is picks[0] else
                                      "worst" if f is picks[1] else "worst_backward" if f is picks[2] else "seen"), **{
                                          k: v for k, v in d.items() if k != "layer"})
-            seen += 1
         session.writer.add_event(None, "probe", None, ops_seen=probe.ops_seen, findings=len(probe.findings))
     except Exception as e:  # the drill-down must never lose the trace
         log.warning("ampdoctor: op probe failed: %s", e)

@@ -6,7 +6,9 @@ While at least one watch is active, three things are patched or hooked, and all 
 * ``torch.autograd.backward`` is wrapped to see the loss (the root of ``loss.backward()``);
 * ``GradScaler.scale`` / ``GradScaler.update`` (``torch.amp`` and the deprecated
   ``torch.cuda.amp`` class when it defines its own) are wrapped to see the unscaled loss, the
-  scale before and after ``update()`` and so whether the step was skipped;
+  scale before and after ``update()`` and so whether the step was skipped, and so are those of
+  every subclass that defines its own: the ones that exist, and through
+  ``GradScaler.__init_subclass__`` those created while the watch is on;
 * a global optimizer step post-hook counts optimizer steps.
 
 None of the wrappers syncs with the GPU: they keep device tensors for the session to read.
@@ -24,15 +26,21 @@ import torch.optim.optimizer as _optim_mod
 log = logging.getLogger(__name__)
 
 
+def _scaler_roots() -> list[type]:
+    """``torch.amp.GradScaler``, and the deprecated ``torch.cuda.amp`` one where it is not its subclass."""
+    roots: list[type] = []
+    for mod in (torch.amp, getattr(torch.cuda, "amp", None)):
+        cls = getattr(mod, "GradScaler", None) if mod is not None else None
+        if isinstance(cls, type) and not any(issubclass(cls, r) for r in roots):
+            roots.append(cls)
+    return roots
+
+
 def _scaler_classes() -> list[type]:
     """The GradScaler classes and their subclasses known now: a subclass with its own ``scale`` or
     ``update`` (FSDP's ``ShardedGradScaler`` defines both, without calling the base class's) would
     otherwise go unseen: its scaled loss taken for the loss, no scale, no skipped steps."""
-    classes: list[type] = []
-    for mod, name in ((torch.amp, "GradScaler"), (getattr(torch.cuda, "amp", None), "GradScaler")):
-        cls = getattr(mod, name, None) if mod is not None else None
-        if isinstance(cls, type) and cls not in classes:
-            classes.append(cls)
+    classes = _scaler_roots()
     i = 0
     while i < len(classes):
         try:
@@ -67,10 +75,9 @@ class StepTracker:
 
         self._patch(torch.autograd, "backward", backward)
         for cls in _scaler_classes():
-            if "scale" in cls.__dict__:
-                self._patch(cls, "scale", self._wrap_scale(cls.__dict__["scale"]))
-            if "update" in cls.__dict__:
-                self._patch(cls, "update", self._wrap_update(cls.__dict__["update"]))
+            self._wrap_scaler(cls)
+        for root in _scaler_roots():  # and those defined (or imported) from now on, as they are created
+            self._patch(root, "__init_subclass__", self._on_subclass(root))
         self._opt_handle = _optim_mod.register_optimizer_step_post_hook(
             lambda opt, args, kwargs: sink.on_optimizer_step(opt))
         self.installed = True
@@ -93,6 +100,27 @@ class StepTracker:
         was_own = attr in vars(owner)
         self._saved.append((owner, attr, vars(owner).get(attr) if was_own else None, was_own))
         setattr(owner, attr, new)
+
+    def _wrap_scaler(self, cls: type) -> None:
+        if "scale" in cls.__dict__:
+            self._patch(cls, "scale", self._wrap_scale(cls.__dict__["scale"]))
+        if "update" in cls.__dict__:
+            self._patch(cls, "update", self._wrap_update(cls.__dict__["update"]))
+
+    def _on_subclass(self, root: type) -> classmethod:
+        """``root.__init_subclass__`` while installed: wraps each new subclass's own ``scale`` and
+        ``update`` (undone by :meth:`uninstall` with the rest), after what ``root`` did before."""
+        own = vars(root).get("__init_subclass__")
+        wrap = self._wrap_scaler
+
+        def __init_subclass__(cls: type, **kwargs: Any) -> None:
+            if own is not None:
+                own.__get__(None, cls)(**kwargs)
+            else:
+                super(root, cls).__init_subclass__(**kwargs)
+            wrap(cls)
+
+        return classmethod(__init_subclass__)
 
     def _wrap_scale(self, orig: Callable) -> Callable:
         sink = self._sink

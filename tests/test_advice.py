@@ -135,7 +135,8 @@ def test_bisect_culprits_and_attention_drilldown_win(tmp_path):
     assert "model.py:42" in text and "1/sqrt(head_dim)" in text and "1.20e+05" in text
 
 
-@pytest.mark.parametrize("fmt,gain", [("fp16", 2e5), ("bf16", 1e39), ("fp8_e4m3fn", 1e3), ("fp8_e5m2", 1e5)])
+# bf16: 3.4e38 is finite in FP32 (max 3.40282e38) and beyond bf16's max (3.38953e38); 1e39 is Inf in FP32 already
+@pytest.mark.parametrize("fmt,gain", [("fp16", 2e5), ("bf16", 3.4e38), ("fp8_e4m3fn", 1e3), ("fp8_e5m2", 1e5)])
 def test_readiness_phrasing(tmp_path, fmt, gain):
     from ampdoctor import FORMATS
     if fmt not in FORMATS:
@@ -150,6 +151,60 @@ def test_readiness_phrasing(tmp_path, fmt, gain):
 
 def test_readiness_is_off_for_autocast_runs(tmp_path):
     assert readiness(build_report(overflow_trace(tmp_path / "t.sqlite"))) is None
+
+
+def test_readiness_does_not_count_values_already_nonfinite_in_fp32_as_overflow(tmp_path):
+    # a diverged FP32 run: a weight already Inf in FP32 was listed as 'would overflow in fp16'
+    import numpy as np
+    import torch
+    from torch import nn
+
+    import ampdoctor
+    from ampdoctor.formats import get_format
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    w0 = np.full((4, 4), 0.5, np.float32)
+    w0[0, 0] = np.inf  # broken in FP32
+    w1 = np.full((4, 4), 0.25, np.float32)
+    w1[1, 1] = 1e5  # finite, beyond fp16's max
+    with torch.no_grad():
+        for lin, w in zip(model, (w0, w1)):
+            lin.weight.copy_(torch.from_numpy(w))
+            lin.bias.zero_()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite"), format="fp16"):
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+    rep = build_report(tmp_path / "t.sqlite")
+
+    # numpy: forward, backward of the sum, SGD at lr 0 (p - 0 * grad: NaN where the gradient is Inf)
+    x, b = np.ones((2, 4), np.float32), np.zeros(4, np.float32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        h = x @ w0.T + b
+        y = h @ w1.T + b
+        gy = np.ones_like(y)
+        gh = gy @ w1
+        values = {("activation", "0"): [h], ("activation", "1"): [y], ("gradient", "0"): [gh], ("gradient", "1"): [gy],
+                  ("weight_grad", "0"): [gh.T @ x, gh.sum(0)], ("weight_grad", "1"): [gy.T @ h, gy.sum(0)],
+                  ("weight", "0"): [w0 - 0 * (gh.T @ x), b], ("weight", "1"): [w1 - 0 * (gy.T @ h), b]}
+    fmax = get_format("fp16").max
+    counts = {k: (sum(int(np.isnan(v).sum()) for v in vs), sum(int(np.isinf(v).sum()) for v in vs),
+                  sum(int((np.isfinite(v) & (np.abs(v) > fmax)).sum()) for v in vs)) for k, vs in values.items()}
+    assert {(r.kind, r.layer): (r.nan, r.inf, r.overflow) for r in rep.layers} == counts
+    assert counts[("weight", "0")] == (0, 1, 0) and counts[("weight", "1")] == (4, 0, 1)
+
+    ready = readiness(rep)
+    over = {k: [r.layer for r in rows] for k, rows in ready["overflow"].items()}
+    assert over == {k: [n for (kk, n), c in counts.items() if kk == k and c[2]] for k in ("gradient", "weight", "weight_grad")}
+    assert over["weight"] == ["1"]
+    nonfinite = {k: [r.layer for r in rows] for k, rows in ready["nonfinite"].items()}
+    assert nonfinite == {k: [n for (kk, n), c in counts.items() if kk == k and (c[0] or c[1])]
+                         for k in ("activation", "weight", "weight_grad")}
+    text = "\n".join(rep.advice)
+    assert "measured against fp16: 2 of 2 layers would overflow, 0 would underflow; 2 already had NaN/Inf in FP32." in text
+    assert "weights of 1 (abs-max 1.00e+05, 5% over);" in text and "weights of 0 (abs-max" not in text, text  # 1 of 20
+    assert "Already NaN/Inf in FP32, so not counted as overflow" in text and "weights of 0 (0 NaN, 1 Inf), 1 (4 NaN, 0 Inf)" in text
+    assert "Keep 0 in FP32 when you switch on autocast" not in text  # no output overflowed: only Inf from the weight
 
 
 @pytest.mark.slow

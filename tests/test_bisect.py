@@ -1,5 +1,6 @@
 """bisect end to end: the fixtures' expected verdicts and culprits, trial classification, the API."""
 
+import inspect
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from ampdoctor.bisect.trials import TrialRunner
+from ampdoctor.trace import TraceReader
 
 ROOT = Path(__file__).parent.parent
 FIXTURES = ROOT / "fixtures"
@@ -126,6 +128,31 @@ def test_python_api_bisect(tmp_path):
     assert res["verdict"] == "culprit" and res["culprits"] == ["2"], res
     assert json.loads((tmp_path / "bisect.json").read_text()) == json.loads(json.dumps(res, allow_nan=False))
     assert len(res["trials"]) <= 5
+
+
+def test_drill_down_writes_each_op_event_once(tmp_path):
+    # the first/worst picks are findings too, and were written twice: once as picks, again among the findings
+    import ampdoctor
+
+    res = ampdoctor.bisect(lambda: _train_overflowing(60), out=tmp_path)
+    (trace,) = (tmp_path / "trials").glob("*-drill-down/trace.sqlite")
+    with TraceReader(trace) as r:
+        ops, (probe,) = r.events("op"), r.events("probe")
+    keys = [(e["step"], e["layer"], json.dumps({k: v for k, v in e["detail"].items() if k != "pick"}, sort_keys=True))
+            for e in ops]
+    assert len(keys) == len(set(keys)), keys
+    picks = [e["detail"]["pick"] for e in ops]
+    assert picks.count("first") == 1 and picks.count("worst") <= 1 and picks.count("worst_backward") <= 1, picks
+    # every finding once (a worst pick that did not overflow is written besides them)
+    notable = [e for e in ops if e["detail"]["nonfinite"] or e["detail"]["overflow_count"]]
+    assert len(notable) == probe["detail"]["findings"] > 0
+    line = _line_of(_train_overflowing, "loss = model(x)")
+    assert [(o["pick"], o["op"], o["where"]) for o in res["ops"]][0] == ("first", "linear", f"test_bisect.py:{line}")
+
+
+def _line_of(fn, text: str) -> int:
+    src, start = inspect.getsourcelines(fn)
+    return start + next(i for i, s in enumerate(src) if text in s)
 
 
 @pytest.mark.slow

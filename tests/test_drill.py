@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import inspect
 import os
+import sys
+import types
 
 import pytest
 import torch
@@ -161,3 +163,61 @@ def test_unknown_module_name():
     model = nn.Sequential(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="OpProbe: Sequential has no module named '1'"):
         OpProbe(model, ["1"])
+
+
+class _CellCompiler:
+    """IPython's ``CachingCompiler`` contract (IPython >= 8): ``format_code_name`` labels the cells it compiled."""
+
+    def __init__(self):
+        self._filename_map = {}
+
+    def cache(self, source: str, number: int) -> str:
+        name = f"/tmp/ipykernel_4242/{abs(hash(source))}.py"  # ipykernel names a cell's file so
+        self._filename_map[name] = number
+        return name
+
+    def format_code_name(self, name: str):
+        if name in self._filename_map:
+            return "Cell", f"In[{self._filename_map[name]}]"
+        return None
+
+
+CELL = '''\
+class CellNorm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.proj(x)
+        return h * h
+'''
+
+
+@pytest.mark.parametrize("compiler", ["stand-in", "IPython"])
+def test_notebook_cell_location_is_the_cell_plain_files_unchanged(monkeypatch, compiler):
+    # In Jupyter the op's file is the cell's temporary file (/tmp/ipykernel_1234/3456.py): name the cell
+    if compiler == "IPython":
+        compiler = pytest.importorskip("IPython.core.compilerop").CachingCompiler()
+    else:
+        compiler = _CellCompiler()
+    name = compiler.cache(CELL, number=5)
+    ns = {"nn": nn}
+    exec(compile(CELL, name, "exec"), ns)
+    shell = types.SimpleNamespace(compile=compiler)
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: shell))
+    model = nn.Sequential(SquareNorm(8), ns["CellNorm"](8))  # SquareNorm's output stays finite (h / inf = 0)
+    _big(model[0].proj, 300.0)  # 300 * 300 = 9e4 > 65504
+    _big(model[1].proj, 300.0)
+    with torch.autocast(**AC), OpProbe(model, ["0", "1"]) as probe:
+        model(torch.randn(3, 8))
+    producers = [f for f in probe.findings if f.phase == "forward" and f.nonfinite]
+    assert [(f.layer, f.op, f.where) for f in producers] == [
+        ("0", "mul", f"{os.path.basename(__file__)}:{line_of(SquareNorm.forward, 'h * h')}"),
+        ("1", "mul", "cell In[5], line 8")]
+    assert producers[1].path == name
+    # outside IPython (no shell running) a cell file is a file like any other
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: None))
+    with torch.autocast(**AC), OpProbe(model, ["1"]) as probe:
+        model(torch.randn(3, 8))
+    assert probe.first.where == f"{os.path.basename(name)}:8"

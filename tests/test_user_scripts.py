@@ -1,6 +1,7 @@
 """Regressions found by running scripts written by someone else (new-user testing)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -243,6 +244,83 @@ def test_grad_scaler_subclasses_with_their_own_scale_and_update(tmp_path):
         assert all(s["scale"] == 1024.0 and s["skipped"] == 0 for s in steps), (cls.__name__, steps)
         # and their methods are their own again
         assert not hasattr(cls.__dict__["scale"], "__wrapped__") and not hasattr(cls.__dict__["update"], "__wrapped__")
+
+
+def _scaler_patch_state() -> dict:
+    """What the watch patches on GradScaler classes: every class's own scale/update/__init_subclass__."""
+    state, todo = {}, [torch.amp.GradScaler]
+    while todo:
+        cls = todo.pop()
+        todo.extend(type.__subclasses__(cls))
+        state[cls] = {k: vars(cls).get(k) for k in ("scale", "update", "__init_subclass__")}
+    return state
+
+
+def test_grad_scaler_subclass_defined_after_watch_is_tracked_and_unpatched_after_remove(tmp_path):
+    # a GradScaler subclass defined (or imported, like FSDP's ShardedGradScaler) after watch() was not
+    # wrapped: with its own scale()/update() its scaled loss was taken for the loss, with no scale
+    from collections import defaultdict
+
+    from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+    def own_scale(self, outputs):  # never calls GradScaler's
+        if self._scale is None:
+            self._lazy_init_scale_growth_tracker(outputs.device)
+        return outputs * self._scale.to(outputs.dtype)
+
+    def own_update(self, new_scale=None):  # a constant scale
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    def super_scale(self, outputs):
+        return torch.amp.GradScaler.scale(self, outputs)
+
+    def super_update(self, new_scale=None):
+        torch.amp.GradScaler.update(self, new_scale)
+
+    def define(name, scale, update):  # class name(torch.amp.GradScaler): scale = ...; update = ...
+        return type(name, (torch.amp.GradScaler,), {"scale": scale, "update": update})
+
+    def train(scale, update, path=None):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+        w = ampdoctor.watch(model, trace=str(path)) if path else None
+        cls = define("LateScaler", scale, update)  # after watch()
+        scaler = cls("cpu", init_scale=1024.0)
+        losses, scales = [], []
+        for step in range(4):
+            x = torch.randn(2, 4)
+            if step == 1:
+                x[0, 0] = 1e30  # an Inf loss: a skipped step, and GradScaler's update halves the scale
+            loss = model(x).pow(2).mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            losses.append(loss.item())
+            scales.append(scaler.get_scale())
+        if w is not None:
+            w.remove()
+        return cls, losses, scales
+
+    before = _scaler_patch_state()
+    for scale, update in ((own_scale, own_update), (super_scale, super_update)):
+        _, ref_losses, ref_scales = train(scale, update)  # the reference: the same run unwatched
+        path = tmp_path / f"{scale.__name__}.sqlite"
+        late, losses, scales = train(scale, update, path)
+        assert losses[1] == math.inf and (losses, scales) == (ref_losses, ref_scales)
+        steps = TraceReader(path).steps()
+        assert [s["step"] for s in steps] == [0, 1, 2, 3]
+        assert [s["loss"] for s in steps] == losses  # not the scaled loss (x 1024)
+        assert [s["scale"] for s in steps] == scales
+        assert [s["skipped"] for s in steps] == [int(b < a) for a, b in zip([1024.0, *scales], scales)]
+        # the process is as it was: no class keeps a patch, the late class has its own methods again
+        assert vars(late)["scale"] is scale and vars(late)["update"] is update
+        assert "__init_subclass__" not in vars(torch.amp.GradScaler)
+        assert {c: v for c, v in _scaler_patch_state().items() if c in before} == before
+        after = define("AfterRemove", scale, update)  # and a class made after remove() is left alone
+        assert vars(after)["scale"] is scale and vars(after)["update"] is update
+    assert scales == [1024.0, 512.0, 512.0, 512.0]  # GradScaler's own update ran: it skipped step 1
 
 
 def test_gradient_calls_count_the_calls_that_had_a_gradient(tmp_path):

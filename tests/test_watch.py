@@ -14,7 +14,7 @@ from ampdoctor.trace import TraceReader
 
 
 def _global_state():
-    gs = [torch.amp.GradScaler.__dict__.get(k) for k in ("scale", "update", "step", "unscale_")]
+    gs = [torch.amp.GradScaler.__dict__.get(k) for k in ("scale", "update", "step", "unscale_", "__init_subclass__")]
     return (torch.autograd.backward, tuple(gs), dict(module_mod._global_forward_hooks),
             dict(module_mod._global_forward_pre_hooks), dict(optim_mod._global_optimizer_post_hooks))
 

@@ -14,8 +14,9 @@ the output against the target format:
 Ops are named the way the user wrote them: ``matmul`` for ``q @ k`` (``Tensor.__matmul__``),
 ``mul`` for ``x * x``, ``linear`` (``F.linear`` inside ``nn.Linear``), ``softmax``, ``pow``;
 reflected operators lose their ``r`` and in-place ones get a trailing ``_`` (``__imul__`` ->
-``mul_``). The source location is the innermost stack frame outside torch and ampdoctor;
-ops called from ampdoctor's own code (other hooks inside the module) are not recorded.
+``mul_``). The source location is the innermost stack frame outside torch and ampdoctor
+(a Jupyter cell's as IPython names it: ``cell In[5], line 7``); ops called from ampdoctor's
+own code (other hooks inside the module) are not recorded.
 
 Backward: every recorded op output that requires grad gets a tensor hook, so the
 *gradient* flowing into that op's output is checked too (``phase="backward"``, same op name
@@ -61,7 +62,7 @@ _NO_RECOMPUTE = ("dropout", "rand", "normal", "bernoulli", "multinomial")
 class OpFinding:
     layer: str  # qualified name of the innermost probed module running the op
     op: str  # "matmul", "mul", "linear", ...
-    where: str  # "model.py:42"
+    where: str  # "model.py:42" ("cell In[5], line 7" in a notebook)
     absmax: float  # abs-max of the finite values of the output (or of its gradient)
     # forward: the output has NaN/Inf although the inputs were finite (a producer);
     # backward: the gradient w.r.t. the output has NaN/Inf
@@ -136,6 +137,22 @@ def _user_frame() -> Optional[tuple[str, int]]:
             return fn, f.f_lineno
         f = f.f_back
     return None
+
+
+def _where(path: str, line: int) -> str:
+    """``model.py:42``; a Jupyter/IPython cell's code, whose file is a temporary name
+    (``/tmp/ipykernel_1234/3456.py``), as IPython's tracebacks name it: ``cell In[5], line 7``.
+    IPython is not imported here: cells exist only in a process that has already imported it."""
+    ipython = sys.modules.get("IPython")
+    try:
+        shell = ipython.get_ipython() if ipython is not None else None
+        cell = shell.compile.format_code_name(path) if shell is not None else None  # IPython >= 8
+    except Exception:  # noqa: BLE001 - an older or unusual shell: the file name it is
+        cell = None
+    if cell:
+        label, name = cell
+        return f"{label.lower()} {name}, line {line}"
+    return f"{os.path.basename(path)}:{line}"
 
 
 class _Mode(TorchFunctionMode):
@@ -281,7 +298,7 @@ class OpProbe:
     def _finding(self, layer: str, op: str, loc: tuple[str, int], d: dict, producer: bool,
                  dtype: str, phase: str) -> OpFinding:
         overflow = d["overflow"] + (d["posinf"] + d["neginf"] if producer else 0)
-        return OpFinding(layer, op, f"{os.path.basename(loc[0])}:{loc[1]}", d["absmax"], producer,
+        return OpFinding(layer, op, _where(*loc), d["absmax"], producer,
                          int(overflow), self.step, phase, loc[0], dtype)
 
     def _keep(self, finding: OpFinding, notable: bool) -> None:

@@ -1,6 +1,7 @@
 """Readiness: a run without autocast (every activation float32/float64), measured against a
 low-precision format. :func:`readiness` lists the layers whose values would overflow or underflow
-there; :func:`readiness_advice` says so, and which layer to keep in FP32 once autocast is on."""
+there (and, apart, those already NaN/Inf in FP32: a diverged run); :func:`readiness_advice` says so,
+and which layer to keep in FP32 once autocast is on."""
 
 from __future__ import annotations
 
@@ -14,18 +15,23 @@ __all__ = ["readiness", "readiness_advice"]
 
 def readiness(report: Report) -> dict | None:
     """For a run whose activations were all float32/float64: which layers would overflow or
-    underflow in the report's format. None when the run already used low precision."""
+    underflow in the report's format, and which were already non-finite (``nonfinite``: NaN/Inf in
+    FP32 is broken in any format, not an overflow of this one). None when the run already used low
+    precision."""
     acts = report.rows("activation")
     if not acts or any(r.dtype not in HIGH_PRECISION for r in acts) or report.format == "fp32":
         return None
-    over, under = {}, {}
+    over, under, nonfinite = {}, {}, {}
     for kind in ("activation", "gradient", "weight", "weight_grad"):
         for r in report.rows(kind):
-            if r.overflow or r.inf or r.headroom_bits < 0:
+            if r.overflow:  # finite values beyond the format's max (abs-max and overflow count finite ones)
                 over.setdefault(kind, []).append(r)
+            if r.nan or r.inf:
+                nonfinite.setdefault(kind, []).append(r)
             if r.subnormal_pct + r.flush_pct >= MAX_UNDERFLOW_PCT:
                 under.setdefault(kind, []).append(r)
-    return {"format": report.format, "layers": len(acts), "overflow": over, "underflow": under}
+    return {"format": report.format, "layers": len(acts), "overflow": over, "underflow": under,
+            "nonfinite": nonfinite}
 
 
 def readiness_advice(report: Report, ready: dict) -> list[str]:
@@ -34,9 +40,11 @@ def readiness_advice(report: Report, ready: dict) -> list[str]:
     what = {"activation": "outputs", "gradient": "gradients", "weight": "weights", "weight_grad": "weight gradients"}
     n_over = len({r.layer for rows in ready["overflow"].values() for r in rows})
     n_under = len({r.layer for rows in ready["underflow"].values() for r in rows})
+    n_bad = len({r.layer for rows in ready["nonfinite"].values() for r in rows})
+    already = f"; {n_bad} already had NaN/Inf in FP32" if n_bad else ""
     out = [f"{fmt.name} readiness: this run had no autocast (every activation was float32), so its values were "
            f"measured against {fmt.name}: {n_over} of {ready['layers']} layers would overflow, {n_under} would "
-           f"underflow."]
+           f"underflow{already}."]
 
     def listing(groups: dict, describe, key) -> str:
         parts = []
@@ -49,7 +57,7 @@ def readiness_advice(report: Report, ready: dict) -> list[str]:
     if ready["overflow"]:
         out.append(f"Would overflow in {fmt.name} (max {fmt.max:.6g}): " + listing(
             ready["overflow"], lambda r: f"{r.layer} (abs-max {fmt_num(r.absmax)}, {r.overflow_pct:.3g}% over)",
-            lambda r: r.headroom_bits) + ".")
+            lambda r: fmt.headroom_bits(r.absmax)) + ".")
         worst = min((r for rows in ready["overflow"].values() for r in rows if r.kind == "activation"),
                     key=lambda r: r.order, default=None)
         if worst is not None:
@@ -59,8 +67,12 @@ def readiness_advice(report: Report, ready: dict) -> list[str]:
         out.append(f"Would underflow in {fmt.name} (>= {MAX_UNDERFLOW_PCT:g}% of values subnormal or flushed to "
                    "zero): " + listing(ready["underflow"], lambda r: f"{r.layer} ({r.subnormal_pct + r.flush_pct:.3g}%)",
                                        lambda r: -(r.subnormal_pct + r.flush_pct)) + ".")
+    if ready["nonfinite"]:
+        out.append("Already NaN/Inf in FP32, so not counted as overflow (no format fixes a run that diverges in "
+                   "FP32 too): " + listing(ready["nonfinite"], lambda r: f"{r.layer} ({r.nan} NaN, {r.inf} Inf)",
+                                           lambda r: r.order) + ".")
     if not n_over and not n_under:
-        least = min(report.rows("activation"), key=lambda r: r.headroom_bits)
-        out.append(f"Every recorded value fits {fmt.name}; the least headroom is {least.headroom_bits:+.1f} bits "
-                   f"({least.layer}, abs-max {fmt_num(least.absmax)}).")
+        least = min(report.rows("activation"), key=lambda r: fmt.headroom_bits(r.absmax))
+        out.append(f"Every {'finite ' if n_bad else ''}recorded value fits {fmt.name}; the least headroom is "
+                   f"{fmt.headroom_bits(least.absmax):+.1f} bits ({least.layer}, abs-max {fmt_num(least.absmax)}).")
     return out
