@@ -31,6 +31,7 @@ SOURCE = Path(__file__).with_name("_stats_cuda_kernel.cu")
 NT = 128              # stage-1 threads per block
 NT2 = 64              # stage-2 threads per block
 MIN_CHUNK = 1 << 16   # elements per stage-1 block, at least (the histogram fold costs ~P loads a thread)
+MIN_CHUNK_FP32 = MIN_CHUNK  # the same for fp32 tensors (twice the bytes an element)
 MAX_CHUNKS = 8192     # per tensor: huge tensors get longer chunks, not more
 ALIGN = 1024          # chunk starts are multiples of this many elements (16-byte vector loads)
 
@@ -190,7 +191,11 @@ def tables(numel: Sequence[int], ptr: Sequence[int], rows: Sequence[int], kinds:
     Layout: addresses, element counts, first chunk of each tensor plus the total (MAXT + 1),
     chunk lengths, rows, kinds."""
     n = np.asarray(numel, dtype=np.int64)
-    nchunk = np.clip(-(-n // MIN_CHUNK), 1, MAX_CHUNKS)
+    if MIN_CHUNK_FP32 == MIN_CHUNK:
+        nchunk = np.clip(-(-n // MIN_CHUNK), 1, MAX_CHUNKS)
+    else:
+        minc = np.where(np.asarray(kinds, dtype=np.int64) == 2, MIN_CHUNK_FP32, MIN_CHUNK)
+        nchunk = np.clip(-(-n // minc), 1, MAX_CHUNKS)
     clen = np.maximum(-(-n // (nchunk * ALIGN)) * ALIGN, ALIGN)
     nch = -(-n // clen)  # as chunking(), per tensor
     cols = (np.asarray(ptr, dtype=np.int64), n, clen, np.asarray(rows, dtype=np.int64),
