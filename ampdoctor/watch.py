@@ -153,7 +153,8 @@ class _GradWork(list):
                     if not n or not s.attributing:
                         continue
                     if slot < 0:  # a flag-only slot unless a row of it is asked for too
-                        slot = rows.slot_of(grad, ((lid, "flag", name), 0), None, all(e[0] for e in self))
+                        only = self[-1][0] and (len(self) == 1 or all(e[0] for e in self))
+                        slot = rows.slot_of(grad, ((lid, "flag", name), 0), None, only)
                     s._flags.append((slot,))
                     s._flag_meta.append((lid, call, name))
                 else:  # Session.add_stats, inline
