@@ -107,3 +107,39 @@ def test_launch_tables_match_per_tensor_chunking():
             c += nch
         assert t[2 * T + len(part)] == c
         assert not t[len(part):T].any()  # unused entries stay zero
+
+
+def test_flags_kernel_bits(tmp_path):
+    """The NaN/Inf flags kernel (ampdoctor/_flags_cuda_kernel.cu), built for the CPU: per tensor,
+    1.0 exactly where numpy finds a NaN or an Inf, for fp16/bf16/fp32, sizes around its chunk and
+    vector boundaries, NaN/Inf in the first, a middle and the last element; nothing is read past a
+    tensor's end (the bytes there are NaN patterns); with the gate at 0 nothing at all."""
+    exe = tmp_path / "flags"
+    subprocess.run([CXX, "-O1", "-std=c++17", f"-I{EMU}", f'-DKERNEL_SOURCE="{_stats_nvrtc.FLAG_SOURCE}"', "-x", "c++",
+                    str(EMU / "flags_driver.cpp"), "-o", str(exe)], check=True, capture_output=True)
+    g = torch.Generator().manual_seed(5)
+    chunk = _stats_nvrtc.FCHUNK
+    kinds = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
+    ints = {torch.float16: torch.int16, torch.bfloat16: torch.int16, torch.float32: torch.int32}
+    tensors = []
+    for dt in kinds:
+        for n in (1, 7, 8, 9, 1000, chunk - 1, chunk, chunk + 3, 2 * chunk + 5):
+            for where in (None, 0, n // 2, n - 1):
+                x = (torch.randn(n, generator=g) * 1000).to(dt)
+                if where is not None:
+                    x[where] = (float("nan"), float("inf"), -float("inf"))[len(tensors) % 3]
+                tensors.append(x)
+    ref = [float(not np.isfinite(x.float().numpy()).all()) for x in tensors]
+    for gate in (1, 0):
+        got = []
+        for lo in range(0, len(tensors), 60):  # several launches of up to 60 tensors
+            args = []
+            for i, x in enumerate(tensors[lo:lo + 60]):
+                raw = tmp_path / f"t{lo + i}.bin"
+                raw.write_bytes(x.view(ints[x.dtype]).numpy().tobytes())
+                args += [str(raw), str(kinds[x.dtype]), str(x.numel())]
+            res = tmp_path / "out.bin"
+            subprocess.run([str(exe), str(res), str(gate), *args], check=True)
+            got += np.fromfile(res, dtype=np.float64).tolist()
+        assert got == (ref if gate else [0.0] * len(tensors))
+    assert 0 < sum(ref) < len(ref)
