@@ -91,6 +91,7 @@ class Session:
         if not owned:  # a watch never removed still ends its trace properly at exit
             atexit.register(self._at_exit)
         self.watches: list[Any] = []
+        self._prefixes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> prefix of its names
         self.on_attach: list[Any] = []  # callbacks(watch): the runner installs the op probe here
         self.on_step: list[Any] = []    # callbacks(new_step) at each step boundary
         self.layers: list[_Layer] = []
@@ -134,6 +135,22 @@ class Session:
             print(f"ampdoctor: recording to {p} (w.report(), or `ampdoctor report {p}`; watch(trace=...) "
                   "chooses the path)", file=sys.stderr)
         return p
+
+    def prefix_for(self, root: Any) -> str:
+        """How the names of ``root``'s modules start in the trace: "" for the first model watched,
+        ``Class:`` for another one alive with it (a GAN's discriminator: ``D:net.2``), so that two
+        models' layers are never merged under the same names. A model watched again keeps its prefix."""
+        prefix = self._prefixes.get(root)
+        if prefix is None:
+            taken = set(self._prefixes.values())
+            prefix = ""
+            if taken:
+                base = type(root).__name__
+                prefix, k = f"{base}:", 2
+                while prefix in taken:
+                    prefix, k = f"{base}#{k}:", k + 1
+            self._prefixes[root] = prefix
+        return prefix
 
     def attach(self, watch: Any) -> None:
         self.watches.append(watch)
