@@ -182,3 +182,15 @@ def test_interrupted_or_failing_exit_is_said_in_the_report(tmp_path, ending, cod
     assert said in p.stdout
     r = amp("report", out)
     assert r.returncode == 0 and said in r.stdout, r.stdout
+
+
+def test_syntax_error_in_the_script_shows_no_frames_of_ours(tmp_path):
+    from ampdoctor.config import RunConfig
+    from ampdoctor.runner import run_script
+
+    script = tmp_path / "bad.py"
+    script.write_text("import torch\ndef f(:\n    pass\n")
+    r = run_script(script, [], RunConfig(trace=str(tmp_path / "t.sqlite")))
+    assert r.status == "crashed" and r.error.startswith("SyntaxError")
+    assert "bad.py\", line 2" in r.traceback and "def f(:" in r.traceback
+    assert "runner.py" not in r.traceback and "runpy" not in r.traceback
