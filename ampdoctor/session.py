@@ -11,6 +11,7 @@ import atexit
 import logging
 import math
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -82,7 +83,7 @@ class Session:
         self.writer = TraceWriter(self.trace_path)
         self.writer.set_meta(
             format=self.fmt.name, every=self.config.every, started=time.time(), status="running",
-            argv=list(sys.argv), torch=torch.__version__, rank=self.rank, pid=os.getpid(),
+            argv=list(sys.argv), torch=torch.__version__, rank=self.rank, pid=os.getpid(), host=socket.gethostname(),
             force_fp32=list(self.config.force_fp32), python=sys.version.split()[0],
         )
         self.writer.commit()
