@@ -244,7 +244,7 @@ class Session:
         else:
             metas, keep = [], []
             for i, (lid, pname, t) in enumerate(entries):
-                if t.is_floating_point() and t.layout == torch.strided:
+                if t.is_floating_point() and t.layout == torch.strided and not t.is_meta:  # (meta: no values)
                     n = t.numel()
                     metas.append((lid, kind, pname, 0, _dtype_name(t.dtype), n, n * t.element_size()))
                     keep.append(i)
@@ -333,12 +333,12 @@ class Session:
         if self._scaled_loss_seen:
             return
         t = tensors[0] if isinstance(tensors, (tuple, list)) and len(tensors) == 1 else tensors
-        if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point():
+        if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point() and not t.is_meta:
             self._losses.append(t.detach().reshape(()).to(torch.float64))
 
     def on_scaled_loss(self, scaler: Any, loss: torch.Tensor) -> None:
         self._active = True
-        if loss.numel() == 1 and loss.is_floating_point():
+        if loss.numel() == 1 and loss.is_floating_point() and not loss.is_meta:
             if not self._scaled_loss_seen:
                 self._losses.clear()  # a backward before scale() was not the training loss
             self._scaled_loss_seen = True

@@ -487,6 +487,8 @@ class Watch:
             if not outs:
                 if not any(True for _ in iter_tensors(out)) and out is not None and not isinstance(out, torch.Tensor):
                     s.note_layer(lid, f"output of type {type(out).__name__} holds no tensor: nothing recorded")
+                elif any(t.is_meta for _, t in iter_tensors(out)):
+                    s.note_layer(lid, "output on the meta device (it holds no values): nothing recorded")
                 elif out is not None:
                     s.note_layer(lid, "no floating-point output: nothing recorded")
                 return

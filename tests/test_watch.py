@@ -789,3 +789,19 @@ def test_two_watched_models_are_not_merged(tmp_path, monkeypatch):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             assert g(torch.randn(4, 4)).dtype == torch.float32  # forced: g's net.2
             assert d(torch.randn(4, 8)).dtype == torch.bfloat16  # not d's net.2
+
+
+def test_a_model_on_the_meta_device_is_noted_not_an_internal_error(tmp_path):
+    # a dry run on the meta device (shapes only): every step is written, with a note that there are
+    # no values, not "internal error while recording" (copying the meta loss or weights to the host)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)).to("meta")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")):
+        for _ in range(2):
+            model(torch.randn(4, 8, device="meta")).sum().backward()
+            opt.step()
+    r = TraceReader(tmp_path / "t.sqlite")
+    assert [s["step"] for s in r.steps()] == [0, 1]
+    notes = [e["detail"]["message"] for e in r.events("note")]
+    assert not any("internal error" in n for n in notes), notes
+    assert any("meta device" in n for n in notes), notes
