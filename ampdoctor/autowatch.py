@@ -58,8 +58,8 @@ class AutoWatch:
             return
         if _in_construction(module):
             return  # not the model yet: a part of it run while it is built (not marked known: watched later)
-        prefix = "" if not self._roots else self._prefix_for(root)
-        w = Watch(module, self.session, all_modules=self.session.config.all_modules, prefix=prefix)
+        w = Watch(module, self.session, all_modules=self.session.config.all_modules)
+        prefix = w.prefix
         self._roots.append(w)
         self._known.update(id(m) for m in root.modules())
         self._known.add(id(module))
@@ -69,15 +69,6 @@ class AutoWatch:
             # need their inputs cast to float32 right now, since the parameters already are)
             return w._fp32.enter_call_late(module, args)
         return None
-
-    def _prefix_for(self, root: nn.Module) -> str:
-        """Names of a second model are ``Class:name`` (``D:net.2``): the class says which object."""
-        base = type(root).__name__
-        taken = {w.prefix for w in self._roots}
-        prefix, k = f"{base}:", 2
-        while prefix in taken:
-            prefix, k = f"{base}#{k}:", k + 1
-        return prefix
 
     def remove(self) -> None:
         if self._handle is not None:

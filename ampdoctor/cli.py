@@ -59,40 +59,53 @@ def _report_options(f):
 
 
 def _print_report(report, sort: str, top: int | None, only_bad: bool, match: str | None, kinds: str) -> None:
-    ks = [k.strip() for k in kinds.split(",") if k.strip()]
-    bad = [k for k in ks if k not in ("activation", "gradient", "weight", "weight_grad")]
-    if bad:
-        raise click.BadParameter(f"unknown kind(s) {bad}; use activation,gradient,weight,weight_grad", param_hint="--kinds")
+    ks = _kinds(kinds)
     width = max(100, min(160, click.get_terminal_size()[0] if hasattr(click, "get_terminal_size") else 120))
     click.echo()  # the script may have left a `\r` progress line open
     click.echo(report.to_text(kinds=ks, sort=sort, top=top, only_bad=only_bad, match=match, width=width))
 
 
-def _write_outputs(report, json_path: str | None, html_path: str | None, csv_path: str | None, out: Path | None) -> None:
-    if json_path:
-        report.to_json(json_path)
-        click.echo(f"JSON report: {json_path}")
-    if out is not None:
-        report.to_json(out / "report.json")
+def _kinds(kinds: str) -> list[str]:
+    ks = [k.strip() for k in kinds.split(",") if k.strip()]
+    bad = [k for k in ks if k not in ("activation", "gradient", "weight", "weight_grad")]
+    if bad:
+        raise click.BadParameter(f"unknown kind(s) {bad}; use activation,gradient,weight,weight_grad", param_hint="--kinds")
+    return ks
+
+
+def _write_outputs(report, json_path: str | None, html_path: str | None, csv_path: str | None, out: Path | None) -> bool:
+    """The run folder's report.json/html, then the paths asked for (their folders made as needed). One
+    that cannot be written is said on stderr and the others are still written; False if any failed."""
     try:
         from .report import html as _html  # noqa: F401
     except ImportError:
         _html = None
-    if _html is not None:
-        targets = [p for p in (html_path, out / "report.html" if out is not None else None) if p]
-        for p in targets:
-            try:
-                _html.write_html(report, p)
-            except Exception as e:  # a plot failing must not lose the text report
-                click.echo(f"ampdoctor: could not write HTML report {p}: {e}", err=True)
-        if html_path:
-            click.echo(f"HTML report: {html_path}")
-    elif html_path:
+    if html_path and _html is None:
         raise click.ClickException("HTML reports are not available in this installation")
+    jobs = []  # (what, path, write, say where it went)
+    if out is not None:
+        jobs.append(("JSON report", out / "report.json", report.to_json, False))
+        if _html is not None:
+            jobs.append(("HTML report", out / "report.html", lambda p: _html.write_html(report, p), False))
+    if json_path:
+        jobs.append(("JSON report", json_path, report.to_json, True))
+    if html_path:
+        jobs.append(("HTML report", html_path, lambda p: _html.write_html(report, p), True))
     if csv_path:
         from .report.csvout import write_csv
-        write_csv(report, csv_path)
-        click.echo(f"CSV table: {csv_path}")
+        jobs.append(("CSV table", csv_path, lambda p: write_csv(report, p), True))
+    ok = True
+    for what, p, write, say in jobs:
+        try:
+            Path(p).parent.mkdir(parents=True, exist_ok=True)
+            write(p)
+        except Exception as e:  # a plot failing, a folder that cannot be written: the others are still written
+            click.echo(f"ampdoctor: could not write {what} {p}: {type(e).__name__}: {e}", err=True)
+            ok = False
+            continue
+        if say:
+            click.echo(f"{what}: {p}")
+    return ok
 
 
 @main.command(context_settings=SCRIPT_CTX)
@@ -122,6 +135,7 @@ def run(out, fmt, every, max_steps, all_modules, nproc, json_path, html_path, so
 
     if not Path(script).is_file():
         raise click.UsageError(f"script not found: {script} (give the path of a Python training script)")
+    _kinds(kinds)  # a usage error before the script runs, not after
     out_dir = Path(out) if out else default_out(script, "run")
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = RunConfig(trace=str(out_dir / "trace.sqlite"), format=fmt.lower(), every=every, max_steps=max_steps,
@@ -203,7 +217,8 @@ def report(path, json_path, html_path, csv_path, rank, sort, top, only_bad, matc
     except (FileNotFoundError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     _print_report(rep, sort, top, only_bad, match, kinds)
-    _write_outputs(rep, json_path, html_path, csv_path, None)
+    if not _write_outputs(rep, json_path, html_path, csv_path, None):
+        sys.exit(1)
 
 
 def _register_bisect() -> None:

@@ -41,14 +41,16 @@ class ScriptResult:
 
 
 def _user_traceback(exc: BaseException, script: Path) -> str:
-    """The traceback from the script's first frame on (our runner's frames dropped)."""
+    """The traceback from the script's first frame on (our runner's frames dropped). None of the
+    frames is the script's when it could not be compiled (a SyntaxError: its own lines say where)
+    or read: then the exception alone."""
     frames = traceback.extract_tb(exc.__traceback__)
-    start = 0
+    start = len(frames)
     for i, fr in enumerate(frames):
         if Path(fr.filename).resolve() == script:
             start = i
             break
-    lines = ["Traceback (most recent call last):\n"] + traceback.format_list(frames[start:])
+    lines = ["Traceback (most recent call last):\n"] + traceback.format_list(frames[start:]) if start < len(frames) else []
     lines += traceback.format_exception_only(type(exc), exc)
     return "".join(lines)
 

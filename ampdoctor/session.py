@@ -11,6 +11,7 @@ import atexit
 import logging
 import math
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -82,7 +83,7 @@ class Session:
         self.writer = TraceWriter(self.trace_path)
         self.writer.set_meta(
             format=self.fmt.name, every=self.config.every, started=time.time(), status="running",
-            argv=list(sys.argv), torch=torch.__version__, rank=self.rank, pid=os.getpid(),
+            argv=list(sys.argv), torch=torch.__version__, rank=self.rank, pid=os.getpid(), host=socket.gethostname(),
             force_fp32=list(self.config.force_fp32), python=sys.version.split()[0],
         )
         self.writer.commit()
@@ -91,6 +92,7 @@ class Session:
         if not owned:  # a watch never removed still ends its trace properly at exit
             atexit.register(self._at_exit)
         self.watches: list[Any] = []
+        self._prefixes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> prefix of its names
         self.on_attach: list[Any] = []  # callbacks(watch): the runner installs the op probe here
         self.on_step: list[Any] = []    # callbacks(new_step) at each step boundary
         self.layers: list[_Layer] = []
@@ -134,6 +136,22 @@ class Session:
             print(f"ampdoctor: recording to {p} (w.report(), or `ampdoctor report {p}`; watch(trace=...) "
                   "chooses the path)", file=sys.stderr)
         return p
+
+    def prefix_for(self, root: Any) -> str:
+        """How the names of ``root``'s modules start in the trace: "" for the first model watched,
+        ``Class:`` for another one alive with it (a GAN's discriminator: ``D:net.2``), so that two
+        models' layers are never merged under the same names. A model watched again keeps its prefix."""
+        prefix = self._prefixes.get(root)
+        if prefix is None:
+            taken = set(self._prefixes.values())
+            prefix = ""
+            if taken:
+                base = type(root).__name__
+                prefix, k = f"{base}:", 2
+                while prefix in taken:
+                    prefix, k = f"{base}#{k}:", k + 1
+            self._prefixes[root] = prefix
+        return prefix
 
     def attach(self, watch: Any) -> None:
         self.watches.append(watch)
@@ -226,7 +244,7 @@ class Session:
         else:
             metas, keep = [], []
             for i, (lid, pname, t) in enumerate(entries):
-                if t.is_floating_point() and t.layout == torch.strided:
+                if t.is_floating_point() and t.layout == torch.strided and not t.is_meta:  # (meta: no values)
                     n = t.numel()
                     metas.append((lid, kind, pname, 0, _dtype_name(t.dtype), n, n * t.element_size()))
                     keep.append(i)
@@ -315,12 +333,12 @@ class Session:
         if self._scaled_loss_seen:
             return
         t = tensors[0] if isinstance(tensors, (tuple, list)) and len(tensors) == 1 else tensors
-        if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point():
+        if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point() and not t.is_meta:
             self._losses.append(t.detach().reshape(()).to(torch.float64))
 
     def on_scaled_loss(self, scaler: Any, loss: torch.Tensor) -> None:
         self._active = True
-        if loss.numel() == 1 and loss.is_floating_point():
+        if loss.numel() == 1 and loss.is_floating_point() and not loss.is_meta:
             if not self._scaled_loss_seen:
                 self._losses.clear()  # a backward before scale() was not the training loss
             self._scaled_loss_seen = True

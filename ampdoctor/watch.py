@@ -177,10 +177,9 @@ def _nonfinite_flag(tensors: list[torch.Tensor]) -> torch.Tensor | None:
 class Watch:
     """Handle returned by :func:`watch`. A context manager; :meth:`remove` is idempotent."""
 
-    def __init__(self, model: nn.Module, session: Session, *, all_modules: bool, prefix: str = ""):
+    def __init__(self, model: nn.Module, session: Session, *, all_modules: bool):
         self.model = model
         self.session = session
-        self.prefix = prefix
         self._handles: list[Any] = []
         self._params: list[tuple[int, str, nn.Parameter | None]] = []
         self._owners: list[tuple[dict, str]] = []  # (module._parameters, name) of each entry of _params
@@ -205,6 +204,7 @@ class Watch:
         self._asleep: list[tuple] | None = None  # (dict, key, hook, keys before it, keys after it)
         root, notes = unwrap_model(model)
         self.root = root
+        self.prefix = session.prefix_for(root)  # "" for the first model, ``Class:`` for another
         self._compiled = any("torch.compile" in n for n in notes)
         for n in notes:
             session.note(n)
@@ -488,6 +488,8 @@ class Watch:
             if not outs:
                 if not any(True for _ in iter_tensors(out)) and out is not None and not isinstance(out, torch.Tensor):
                     s.note_layer(lid, f"output of type {type(out).__name__} holds no tensor: nothing recorded")
+                elif any(t.is_meta for _, t in iter_tensors(out)):
+                    s.note_layer(lid, "output on the meta device (it holds no values): nothing recorded")
                 elif out is not None:
                     s.note_layer(lid, "no floating-point output: nothing recorded")
                 return
@@ -590,7 +592,8 @@ class Watch:
 
     def _force(self, names: list[str]) -> None:
         from .precision import force_fp32
-        mine = [n[len(self.prefix):] if self.prefix and n.startswith(self.prefix) else n for n in names]
+        p = self.prefix  # another model's names (``D:net.2`` is not this model's ``net.2``) are not ours
+        mine = [n[len(p):] for n in names if n.startswith(p)] if p else names
         known = {n for n, _ in self.root.named_modules()}
         take = [n for n in mine if n in known]
         if take:

@@ -331,3 +331,27 @@ def test_ddp_fix_snippet_says_a_pure_half_model_is_fixed_before_wrapping():
 
     ddp = fix_snippets(["2"], {"2": "Linear"}, [], None, "DistributedDataParallel")[0]
     assert "under autocast" in ddp and "pure .half()/.bfloat16() model must be fixed before wrapping" in ddp
+
+
+@pytest.mark.parametrize("code,verdict", [(0, "healthy"), (2, "error")])
+def test_python_api_bisect_of_a_function_that_calls_sys_exit(tmp_path, code, verdict):
+    # a function made from a script's main(): sys.exit() ends its trial as it ends a trial process, and
+    # does not end ampdoctor.bisect (in a notebook: the whole call, with no result)
+    import torch
+    from torch import nn
+
+    def train():
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        sys.exit(code)
+
+    import ampdoctor
+
+    res = ampdoctor.bisect(train, out=tmp_path, drill=False)
+    assert res["verdict"] == verdict
+    if code:
+        assert "sys.exit(2)" in res["error"]

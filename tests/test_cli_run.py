@@ -182,3 +182,30 @@ def test_interrupted_or_failing_exit_is_said_in_the_report(tmp_path, ending, cod
     assert said in p.stdout
     r = amp("report", out)
     assert r.returncode == 0 and said in r.stdout, r.stdout
+
+
+def test_syntax_error_in_the_script_shows_no_frames_of_ours(tmp_path):
+    from ampdoctor.config import RunConfig
+    from ampdoctor.runner import run_script
+
+    script = tmp_path / "bad.py"
+    script.write_text("import torch\ndef f(:\n    pass\n")
+    r = run_script(script, [], RunConfig(trace=str(tmp_path / "t.sqlite")))
+    assert r.status == "crashed" and r.error.startswith("SyntaxError")
+    assert "bad.py\", line 2" in r.traceback and "def f(:" in r.traceback
+    assert "runner.py" not in r.traceback and "runpy" not in r.traceback
+
+
+def test_report_outputs_into_new_folders_and_bad_kinds_before_the_script_runs(tmp_path):
+    out = tmp_path / "run"
+    amp("run", "--out", out, "--max-steps", "2", SCRIPTS / "no_watch_overflow.py")
+    j, c = tmp_path / "new" / "r.json", tmp_path / "other" / "t.csv"
+    r = amp("report", out, "--json", j, "--csv", c)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert json.loads(j.read_text())["layers"] and c.read_text().startswith("kind,layer")
+    r = amp("report", out, "--json", "/proc/no/r.json")  # a folder that cannot be made: said, no traceback
+    assert r.returncode == 1 and "could not write JSON report /proc/no/r.json" in r.stderr
+    assert "Traceback" not in r.stderr
+    r = amp("run", "--out", tmp_path / "k", "--kinds", "activations", SCRIPTS / "no_watch_overflow.py")
+    assert r.returncode == 2 and "unknown kind" in r.stderr
+    assert not (tmp_path / "k").exists()  # the script did not run first

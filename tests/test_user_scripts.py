@@ -5,6 +5,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -420,3 +421,31 @@ def test_a_watched_script_that_dies_is_not_recorded_as_finished(tmp_path, how, s
     if how == "raise":
         assert "RuntimeError: boom" in meta["error"]
         assert any("The script raised" in line for line in build_report(trace).diagnosis.lines)
+
+
+def test_report_of_a_run_going_on_in_another_process_is_not_called_killed(tmp_path):
+    # `ampdoctor report` of a trace that a live training process on this machine is writing: in
+    # progress; once that process is killed: did not finish
+    trace = tmp_path / "t.sqlite"
+    code = ("import sys, torch, ampdoctor\nfrom torch import nn\nm = nn.Linear(4, 1)\n"
+            "opt = torch.optim.SGD(m.parameters(), lr=0.1)\nw = ampdoctor.watch(m, trace=sys.argv[1])\n"
+            "for _ in range(2):\n    m(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()\n"
+            "print('ready', flush=True)\nsys.stdin.read()\n")
+    p = subprocess.Popen([sys.executable, "-c", code, str(trace)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True)
+    try:
+        assert p.stdout.readline().strip() == "ready"
+        for _ in range(100):  # the writer process commits what it was sent
+            try:
+                if len(TraceReader(trace).steps()) == 2:
+                    break
+            except Exception:
+                pass
+            time.sleep(0.1)
+        lines = build_report(trace).diagnosis.lines
+        assert any("still in progress" in line for line in lines) and not any("killed" in line for line in lines), lines
+    finally:
+        p.kill()
+        p.wait()
+    lines = build_report(trace).diagnosis.lines
+    assert any("did not finish (killed?)" in line for line in lines), lines

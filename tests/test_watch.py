@@ -1,5 +1,6 @@
 """watch(): what it records, that it leaves the process exactly as it was, awkward models."""
 
+import json
 import math
 
 import pytest
@@ -742,3 +743,65 @@ def test_a_new_optimizer_or_parameter_is_followed(tmp_path):
     assert [s["absmax"] for s in w2][3:] == [10.0, 10.0]
     g2 = [s["step"] for s in r.stats(kind="weight_grad") if names[s["layer"]] == "2" and s["slot"] == "weight"]
     assert g2 == [0, 1, 2, 3, 3, 4]  # the merged step holds both backward passes' gradients
+
+
+class _Gen(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8))
+
+    def forward(self, z):
+        return self.net(z)
+
+
+class _Disc(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def test_two_watched_models_are_not_merged(tmp_path, monkeypatch):
+    """watch(g) and watch(d) (a GAN): the second model's layers are named ``Class:name``, as under
+    automatic watching, not merged with the first's same-named layers. A trial's FP32 names are
+    each model's own: ``net.2`` is g's, ``_Disc:net.2`` d's."""
+    torch.manual_seed(0)
+    g, d = _Gen(), _Disc()
+    path = tmp_path / "t.sqlite"
+    with ampdoctor.watch(g, trace=str(path)), ampdoctor.watch(d):
+        opt = torch.optim.SGD([*g.parameters(), *d.parameters()], lr=0.01)
+        for _ in range(2):
+            d(g(torch.randn(4, 4))).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    r = TraceReader(path)
+    names = {v["id"]: v["name"] for v in r.layers()}
+    assert {"net.0", "net.2", "_Disc:", "_Disc:net.0", "_Disc:net.2"} <= set(names.values())
+    acts = [s for s in r.stats(kind="activation") if s["step"] == 0]
+    assert sorted(names[s["layer"]] for s in acts if names[s["layer"]].endswith("net.2")) == ["_Disc:net.2", "net.2"]
+    assert all(s["call"] == 0 for s in acts)  # one call each, not two calls of one merged layer
+
+    monkeypatch.setenv("AMPDOCTOR_CONFIG", json.dumps({"trace": str(tmp_path / "f.sqlite"), "force_fp32": ["net.2"]}))
+    g, d = _Gen(), _Disc()
+    with ampdoctor.watch(g), ampdoctor.watch(d):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert g(torch.randn(4, 4)).dtype == torch.float32  # forced: g's net.2
+            assert d(torch.randn(4, 8)).dtype == torch.bfloat16  # not d's net.2
+
+
+def test_a_model_on_the_meta_device_is_noted_not_an_internal_error(tmp_path):
+    # a dry run on the meta device (shapes only): every step is written, with a note that there are
+    # no values, not "internal error while recording" (copying the meta loss or weights to the host)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)).to("meta")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")):
+        for _ in range(2):
+            model(torch.randn(4, 8, device="meta")).sum().backward()
+            opt.step()
+    r = TraceReader(tmp_path / "t.sqlite")
+    assert [s["step"] for s in r.steps()] == [0, 1]
+    notes = [e["detail"]["message"] for e in r.events("note")]
+    assert not any("internal error" in n for n in notes), notes
+    assert any("meta device" in n for n in notes), notes

@@ -54,22 +54,27 @@ class InProcessRunner(TrialRunner):
         if cfg.probe:
             session.on_attach.append(lambda w: _attach_probe(w, cfg, probes))
         t0 = time.monotonic()
-        status, err, decision = "finished", None, None
+        status, err, decision, code = "finished", None, None, 0
         try:
             self.train_fn()
         except StopRun as e:
             status, decision = "stopped", e.decision
+        except SystemExit as e:  # sys.exit() in a function made from a script: as a trial process's exit
+            if e.code not in (None, 0):
+                status, code = "exited", e.code if isinstance(e.code, int) else 1
+                err = f"sys.exit({e.code!r})"
         except Exception as e:  # the user's function failed: an error trial, not ours
-            status, err = "crashed", f"{type(e).__name__}: {e}"
+            status, err, code = "crashed", f"{type(e).__name__}: {e}", 1
         finally:
             auto.remove()
             for p in probes:
                 _write_probe(session, p)
             trained = session.step > 0 or session.optimizer_steps > 0
             steps = session.step
-            session.close(status="crashed" if status == "crashed" else "finished")
+            session.close(status=status if status in ("crashed", "exited") else "finished",
+                          **({"exit_code": code} if code else {}))
             decision = decision or session.decision
-        data = {"status": status, "exit_code": 1 if err else 0, "error": err, "steps": steps, "trained": trained,
+        data = {"status": status, "exit_code": code, "error": err, "steps": steps, "trained": trained,
                 "decision": None if decision is None else {"outcome": decision.outcome, "step": decision.step,
                                                            "reason": decision.reason}}
         (folder / "result.json").write_text(json.dumps(data))

@@ -111,7 +111,12 @@ def bisect_command(out, json_path, fmt, jobs, repeat, timeout, max_steps, margin
     res = run_bisect(script, _script_args(script_args), out_dir, opts, progress=_progress)
     click.echo(_summary(res))
     if json_path:
-        Path(json_path).write_text((out_dir / "bisect.json").read_text())
+        try:
+            Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+            Path(json_path).write_text((out_dir / "bisect.json").read_text())
+        except OSError as e:  # the result is in the run folder anyway
+            click.echo(f"ampdoctor: could not write {json_path}: {type(e).__name__}: {e} (the result is in "
+                       f"{out_dir / 'bisect.json'})", err=True)
     _write_report(out_dir, res)
     sys.exit(res["exit_status"])
 

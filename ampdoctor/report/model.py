@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import socket
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import numpy as np
 
 from ..formats import Format, get_format
 from ..oracle import Decision, Oracle, OracleConfig, trailing_nonfinite_start
-from ..trace import TraceReader, _rank_of, find_traces
+from ..trace import TraceReader, _pid_alive, _rank_of, find_traces
 
 KIND_TITLES = {
     "activation": "Activations (forward outputs)",
@@ -271,8 +272,9 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict) -> Diagnosis
                      + (f" ({meta['error']})" if meta.get("error") else "")
                      + ": this shows the steps recorded before it stopped.")
     elif status == "running":
-        if _written_by_this_process(meta):
-            # a live report (``w.report()`` while the watch is still on): nothing was killed
+        if _still_written(meta):
+            # a live report (``w.report()`` while the watch is still on, or `ampdoctor report` of a run
+            # going on on this machine): nothing was killed
             lines.append("The run is still in progress: this shows the steps recorded so far.")
         else:
             lines.append("The run did not finish (killed?): this shows every step committed before it stopped.")
@@ -288,12 +290,16 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict) -> Diagnosis
         first_loss_nonfinite=first_loss_bad)
 
 
-def _written_by_this_process(meta: dict) -> bool:
-    """Whether the trace is the one this very process is writing (a live ``Watch.report()``)."""
+def _still_written(meta: dict) -> bool:
+    """Whether the process that writes this trace is still running: this very process (a live
+    ``Watch.report()``), or one on this machine (the trace's host) that is still alive."""
     try:
-        return int(meta.get("pid")) == os.getpid()
+        pid = int(meta.get("pid"))
     except (TypeError, ValueError):
         return False
+    if pid == os.getpid():
+        return True
+    return str(meta.get("host")) == socket.gethostname() and pid > 0 and _pid_alive(pid)
 
 
 def _pick_first_nonfinite(events: list[dict], decision: Any) -> dict | None:
