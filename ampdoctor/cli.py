@@ -131,10 +131,10 @@ def run(out, fmt, every, max_steps, all_modules, nproc, json_path, html_path, so
     Exits with the script's status (3 if it never trained)."""
     from .config import RunConfig
     from .report import build_report
-    from .runner import EXIT_NEVER_TRAINED, ScriptNotFound, run_script
+    from .runner import EXIT_NEVER_TRAINED, ScriptNotFound, run_script, script_problem
 
-    if not Path(script).is_file():
-        raise click.UsageError(f"script not found: {script} (give the path of a Python training script)")
+    if script_problem(script):
+        raise click.UsageError(script_problem(script))
     _kinds(kinds)  # a usage error before the script runs, not after
     out_dir = Path(out) if out else default_out(script, "run")
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -55,13 +55,23 @@ def _user_traceback(exc: BaseException, script: Path) -> str:
     return "".join(lines)
 
 
+def script_problem(script: str | os.PathLike) -> str | None:
+    """Why ``script`` cannot be run as a training script (a message that says what to give), or None."""
+    path = Path(script)
+    if path.is_file():
+        return None
+    if path.is_dir():
+        return f"{script} is a directory, not a script (give the path of a Python training script in it)"
+    return f"script not found: {script} (give the path of a Python training script)"
+
+
 def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig) -> ScriptResult:
     """Run ``script`` with ``args`` under a session configured by ``config``. Never raises for the
     script's own failures: they come back in the result, with everything recorded kept."""
-    path = Path(script)
-    if not path.is_file():
-        raise ScriptNotFound(f"script not found: {script} (give the path of a Python training script)")
-    path = path.resolve()
+    problem = script_problem(script)
+    if problem:
+        raise ScriptNotFound(problem)
+    path = Path(script).resolve()
     saved_env = os.environ.get("AMPDOCTOR_CONFIG")
     os.environ["AMPDOCTOR_CONFIG"] = config.to_env()  # child processes (DataLoader workers, torchrun) see it
     session = Session(config, owned=True)

@@ -57,6 +57,8 @@ def test_fixture_verdict_and_culprits(tmp_path, key, exp):
 def test_missing_script_is_usage_error(tmp_path):
     p = bisect(tmp_path / "nope.py")
     assert p.returncode == 2 and "script not found" in p.stderr
+    p = bisect(tmp_path)
+    assert p.returncode == 2 and "is a directory, not a script" in p.stderr
 
 
 def test_torchrun_trial_whose_rank0_was_stopped_takes_the_deciding_rank(tmp_path):

@@ -55,6 +55,8 @@ def test_missing_script_is_a_usage_error(tmp_path):
     p = amp("run", tmp_path / "nope.py")
     assert p.returncode == 2
     assert "script not found" in p.stderr and "Traceback" not in p.stderr
+    p = amp("run", tmp_path)
+    assert p.returncode == 2 and "is a directory, not a script" in p.stderr and "Traceback" not in p.stderr
 
 
 def test_script_that_raises_keeps_trace(tmp_path):

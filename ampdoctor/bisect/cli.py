@@ -91,10 +91,11 @@ def bisect_command(out, json_path, fmt, jobs, repeat, timeout, max_steps, margin
     Exit status: 0 culprit or healthy, 1 error, 2 usage, 3 not_precision, 4 inconclusive."""
     from ..cli import _script_args, default_out
     from ..oracle import OracleConfig
+    from ..runner import script_problem
     from .driver import BisectOptions, run_bisect
 
-    if not Path(script).is_file():
-        raise click.UsageError(f"script not found: {script} (give the path of a Python training script)")
+    if script_problem(script):
+        raise click.UsageError(script_problem(script))
     oc = {"nonfinite_k": nonfinite_k}
     for k, v in (("scale_floor", scale_floor), ("skip_window", skip_window), ("skip_frac", skip_frac)):
         if v is not None:
