@@ -357,3 +357,14 @@ def test_python_api_bisect_of_a_function_that_calls_sys_exit(tmp_path, code, ver
     assert res["verdict"] == verdict
     if code:
         assert "sys.exit(2)" in res["error"]
+
+
+def test_python_api_bisect_refuses_a_model_up_front(tmp_path):
+    import torch
+
+    import ampdoctor
+
+    with pytest.raises(TypeError, match="got a model"):
+        ampdoctor.bisect(torch.nn.Linear(2, 2), out=tmp_path)
+    with pytest.raises(TypeError, match="got int"):
+        ampdoctor.bisect(3, out=tmp_path)

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import torch
+
 from ..config import RunConfig
 from ..session import Session, StopRun, _set_current
 from .driver import BisectOptions, run_bisect
@@ -92,8 +94,10 @@ def bisect(train_fn: Callable[[], Any], *, format: str = "fp16", out: str | Path
            seed: int = 0, oracle: Any = None, progress: Callable[[str, dict], None] | None = None) -> dict:
     """Find the modules whose FP32 cast stops ``train_fn()`` from breaking; returns the bisect
     result dict (``verdict``, ``culprits``, ``failure``, ``ops``, ``trials``, ``advice``)."""
-    if not callable(train_fn):
-        raise TypeError(f"ampdoctor.bisect expects a callable that builds a model and trains it, got {type(train_fn).__name__}")
+    if not callable(train_fn) or isinstance(train_fn, torch.nn.Module):
+        what = "a model" if isinstance(train_fn, torch.nn.Module) else type(train_fn).__name__
+        raise TypeError(f"ampdoctor.bisect expects a callable that builds a model and trains it (each trial "
+                        f"calls it afresh), got {what}")
     from ..oracle import OracleConfig
 
     out_dir = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="ampdoctor-bisect-"))
