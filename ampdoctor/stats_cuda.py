@@ -67,7 +67,7 @@ _KINDS = {
 }
 _INT_VIEW = {16: torch.int16, 32: torch.int32, 64: torch.int64}
 
-_state: dict[str, Any] = {"kernels": None, "error": None, "nvrtc": {}}
+_state: dict[str, Any] = {"kernels": None, "error": None, "nvrtc": {}, "which": {}}
 
 
 _inf_bits = _stats_nvrtc.inf_bits
@@ -131,6 +131,15 @@ def backend(dev: torch.device | None = None) -> str | None:
     return "triton" if _kernels() is not None else None
 
 
+def _which(dev: torch.device) -> str | None:
+    """:func:`backend` of ``dev``, remembered until the next :func:`install`/:func:`uninstall`
+    (a flush asks for every batch; the environment is read once)."""
+    which = _state["which"].get(dev.index, False)
+    if which is False:
+        which = _state["which"][dev.index] = backend(dev)
+    return which
+
+
 def available() -> bool:
     """Whether a fused path can run here: CUDA present, NVRTC or Triton usable, not disabled."""
     return backend() is not None
@@ -139,6 +148,7 @@ def available() -> bool:
 def install() -> bool:
     """Make :func:`fused_batch_stats` the backend of :func:`ampdoctor.stats.batch_stats`, if
     :func:`available` and no other backend is set. Returns whether it is installed."""
+    _state["which"].clear()
     if _stats._backend is fused_batch_stats:
         return True
     if _stats._backend is not None or not available():
@@ -148,6 +158,7 @@ def install() -> bool:
 
 
 def uninstall() -> None:
+    _state["which"].clear()
     if _stats._backend is fused_batch_stats:
         _stats.set_backend(None)
 
@@ -213,7 +224,7 @@ def fused_batch_stats(tensors: Sequence[torch.Tensor], fmt: Format, *, _allow_cp
     dev = tensors[0].device
     if (dev.type != "cuda" and not _allow_cpu) or any(t.device != dev for t in tensors):
         return None
-    which = backend(dev) if dev.type == "cuda" else ("triton" if _kernels() is not None else None)
+    which = _which(dev) if dev.type == "cuda" else ("triton" if _kernels() is not None else None)
     if which is None:
         return None
     kinds = _stats_nvrtc.KINDS if which == "nvrtc" else _KINDS
@@ -309,7 +320,7 @@ _FLAG_KINDS = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 def flags_backend(dev: torch.device) -> bool:
     """Whether :func:`fused_nonfinite` serves ``dev``: the NVRTC statistics path (whose stage 2
     sets the gate) and the flags kernel both work there."""
-    return dev.type == "cuda" and backend(dev) == "nvrtc" and _stats_nvrtc.flags_available(dev)
+    return dev.type == "cuda" and _which(dev) == "nvrtc" and _stats_nvrtc.flags_available(dev)
 
 
 def fused_nonfinite(tensors: Sequence[torch.Tensor], gate: torch.Tensor) -> torch.Tensor:

@@ -289,6 +289,7 @@ def kernel_throughput() -> None:
             res = []
             for which in ("nvrtc", "triton"):
                 os.environ[stats_cuda.ENV_BACKEND] = which
+                stats_cuda._state["which"].clear()  # fused_batch_stats remembers the backend per device
                 if stats_cuda.backend() != which:
                     res.append(float("nan"))
                     continue
