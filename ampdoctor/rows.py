@@ -283,6 +283,16 @@ class StepRows:
         out = tuple(self.slot_of(t, (key, i), None, True) for i, t in enumerate(tensors) if t.numel())
         return out or None
 
+    def rows_for(self, tensors: Sequence[torch.Tensor]) -> None:
+        """``tensors`` are about to be overwritten in place (the inputs of an ``inplace`` module, just
+        before it runs): those waiting for a gated NaN/Inf check get full rows instead, measured at the
+        flush that follows. No row measured later shows what they hold now, so none could open the
+        gate for them (a residual sum handed to ``ReLU(inplace=True)``, as in torchvision's ResNet)."""
+        for t in tensors:
+            hit = self._seen.get(id(t))
+            if hit is not None and hit[2] in self._fpending and hit[1] == t._version and hit[0]() is t:
+                self._upgrade(hit[2], t, None, None)
+
     # -- flush points --------------------------------------------------------------------
     def flush(self, now: tuple[Sequence[torch.Tensor], Sequence[int], list[torch.device]] | None = None) -> None:
         """Measure the waiting tensors now (kernel launches; no host sync), with ``now``'s

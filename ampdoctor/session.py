@@ -262,12 +262,15 @@ class Session:
             self.note_layer(lid, f"could not check {phase} for NaN/Inf: {type(e).__name__}: {e}")
             return None
 
-    def flush_rows(self) -> None:
+    def flush_rows(self, overwritten: list | None = None) -> None:
         """A flush point: measure the tensors waiting in this step's batch now (launches only).
-        Called before a module that works in place runs, and at the end of each backward pass."""
+        Called before a module that works in place runs (``overwritten``: its floating inputs, which
+        it may overwrite), and at the end of each backward pass."""
         if self.closed:
             return
         try:
+            if overwritten:
+                self._rows.rows_for(overwritten)
             self._rows.flush()
         except Exception as e:  # pragma: no cover - never break training for a statistic
             log.warning("ampdoctor: could not measure a batch of tensors: %s: %s", type(e).__name__, e)

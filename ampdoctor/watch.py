@@ -354,8 +354,8 @@ class Watch:
                     vstack.append([(t, t._version) for _, t in iter_tensors(args)])
             if s.attributing:
                 stack.append(in_flag(lid, in_key, args, s._calls.get(lid, 0)))
-            if inplace:
-                s.flush_rows()  # measure the waiting tensors before this module overwrites its input
+            if inplace:  # measure the waiting tensors before this module overwrites its input
+                s.flush_rows(_float_inputs(args) if s.attributing else None)
 
         traced = self._eager(pre)
         self._stack[lid] = stack  # type: ignore[attr-defined]

@@ -138,23 +138,91 @@ def _backward_overflow():
     return model, dict(steps=6, make_x=make_x, lr=0.0, loss_fn=lambda out: out.float().sum() * k[0])
 
 
-@pytest.mark.parametrize("case", [_residual_overflow, _attention, _backward_overflow])
+def _pure_half(model, scale, first=2, steps=5, loss=1e-3):
+    """Pure half, no scaler: the input is ``scale`` x a ramp over the features, doubled from step
+    ``first`` on (the residual sums cross 65504 there)."""
+    ramp = 1.0 + 0.05 * torch.arange(16.0)
+    return model.half(), dict(steps=steps, scaler=False, autocast=False, lr=0.0,
+                              loss_fn=lambda out: out.float().mean() * loss,
+                              make_x=lambda i: (torch.ones(2, 4, 16) * ramp * scale * (2.0 if i >= first else 1.0)).half())
+
+
+def _eye(*linears, gain=1.0):
+    with torch.no_grad():
+        for lin in linears:
+            lin.weight.copy_(torch.eye(lin.weight.shape[0]) * gain)
+            lin.bias.zero_()
+
+
+class _BasicBlock(nn.Module):
+    """torchvision's ResNet BasicBlock: ``out += identity; out = self.relu(out)`` with ONE
+    ``ReLU(inplace=True)``: the sum, which no module outputs, goes to an in-place module."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.fc1 = nn.Linear(d, d)
+        self.relu = nn.ReLU(inplace=True)
+        self.fc2 = nn.Linear(d, d)
+
+    def forward(self, x):
+        out = self.fc2(self.relu(self.fc1(x) * 1e-3))
+        out += x
+        return self.relu(out)
+
+
+def _inplace_relu_on_sum():
+    """The residual sum of a BasicBlock overflows at step 2 and goes straight to ReLU(inplace=True),
+    whose pre-hook flushes the batch before any row shows the Inf: the block is the producer, not
+    its ReLU."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), _BasicBlock(16), nn.LayerNorm(16), nn.Linear(16, 1))
+    _eye(model[0])
+    with torch.no_grad():
+        model[1].fc2.weight.zero_()
+        model[1].fc2.bias.fill_(20000.0)  # out += x: 26250 + 20000 finite, 52500 + 20000 Inf from step 2
+    return _pure_half(model, 15000.0)
+
+
+class _FirstChildInplace(nn.Module):
+    """``self.ffn(x + self.lin(x))`` where ffn's first child is ReLU(inplace=True)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.ffn = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(d, d), nn.LayerNorm(d))
+
+    def forward(self, x):
+        return self.ffn(x + self.lin(x))
+
+
+def _inplace_first_child():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), _FirstChildInplace(16), nn.Linear(16, 1))
+    _eye(model[0], model[1].lin)
+    return _pure_half(model, 15000.0)
+
+
+@pytest.mark.parametrize("case", [
+    _residual_overflow, _attention, _backward_overflow, _inplace_relu_on_sum, _inplace_first_child,
+], ids=["residual", "attention", "backward", "inplace_relu_on_sum", "inplace_first_child"])
 def test_gated_flags_attribute_as_full_rows(tmp_path, monkeypatch, case):
     got = {}
     for gated in (False, True):
         monkeypatch.setattr(rows_mod, "GATED_FLAGS", gated)
         model, kw = case()
+        if "budget" in kw:
+            monkeypatch.setattr(rows_mod, "BUDGET_BYTES", kw.pop("budget"))
         path = tmp_path / f"g{int(gated)}.sqlite"
         with ampdoctor.watch(model, trace=str(path)) as w:
             train(model, **kw)
             assert w.session._rows.policy.gated(torch.device("cpu")) is gated
         r = TraceReader(path)
-        ev = [(e["kind"], e["step"], e["layer"], sorted(e["detail"].items())) for e in r.events()
-              if e["kind"] in ("first_nonfinite", "grad_nonfinite")]
+        ev = [(e["kind"], e["step"], e["layer"], sorted(e["detail"].items())) for e in r.events()]
         key = lambda s: (s["step"], s["layer"], s["kind"], s["slot"], s["call"])  # noqa: E731
         got[gated] = ev, sorted(r.stats(), key=key)
-    assert got[True][0] and got[True][0] == got[False][0]
-    assert any(step >= 1 for _, step, *_ in got[True][0])  # found past the first (calibration) step
+    assert got[True][0] == got[False][0]  # every event: first_nonfinite, grad_nonfinite, notes
+    fn = [(step, layer) for kind, step, layer, _ in got[True][0] if kind == "first_nonfinite"]
+    assert fn and fn[0][0] >= 1, fn  # found past the first (calibration) step
     assert got[True][1] == got[False][1]  # the rows themselves are untouched
 
 
