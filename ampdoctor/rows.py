@@ -153,6 +153,9 @@ class StepRows:
         # (slot, t, _version, key, device), None once measured
         self._fslots: dict[int, tuple | None] = {}
         self._fpending: dict[int, tuple] = {}
+        # waiting flag-only slots that no row measured so far may show yet: a module input whose call
+        # has not returned, a container output no module has read, a gradient (see flush)
+        self._held: set[int] = set()
         self.fblocks: list[tuple[torch.Tensor, list[int]]] = []  # (flags on device, their slots)
         self._gates: dict[torch.device, torch.Tensor] = {}  # CUDA: this step's gate, per device
         self._cpu_open = False  # the CPU's gate: a CPU row of this step counted a NaN or an Inf
@@ -162,26 +165,39 @@ class StepRows:
         return self.n_slots > 0
 
     # -- from the hooks ------------------------------------------------------------------
-    def slot_of(self, t: torch.Tensor, key: Hashable, nbytes: int | None = None, flag: bool = False) -> int:
+    def slot_of(self, t: torch.Tensor, key: Hashable, nbytes: int | None = None, flag: bool = False,
+                hold: bool = False) -> int:
         """The slot measuring ``t`` as it is now (no host sync). ``nbytes``: ``t``'s size in bytes
         when the caller knows it already. ``flag``: only its NaN/Inf flag is needed (see
-        :meth:`flag_slots`); otherwise the slot gives a full row."""
+        :meth:`flag_slots`); otherwise the slot gives a full row. ``hold``: a flag-only slot is
+        *held* (its gated check waits for a safe flush, see :meth:`flush`) until :meth:`release`."""
         hit = self._seen.get(id(t))
         if hit is not None:
             if hit[1] == t._version:
                 if hit[0]() is t:
                     slot = hit[2]
                     if flag or slot not in self._fslots:
+                        if hold and slot in self._fpending:
+                            self._held.add(slot)
                         return slot
                     return self._upgrade(slot, t, key, nbytes)
             elif hit[0]() is t:
                 self.changed += 1
-        return self._new_slot(t, key, nbytes, flag)
+        return self._new_slot(t, key, nbytes, flag, hold)
+
+    def release(self, slots: Sequence[int]) -> None:
+        """The module call that took ``slots``' tensors as inputs returned: its outputs are in the batch,
+        so its inputs' gated checks may run at any flush from now on."""
+        held = self._held
+        if held:
+            for s in slots:
+                held.discard(s)
 
     def _upgrade(self, slot: int, t: torch.Tensor, key: Hashable, nbytes: int | None) -> int:
         """A row is wanted of a tensor that had a flag-only slot: the slot becomes a full one if
         it still waits; if it was measured already, ``t`` gets a new, full slot."""
         self._fslots.pop(slot)
+        self._held.discard(slot)
         entry = self._fpending.pop(slot, None)
         if entry is not None:
             _, _, ver, k, dev = entry
@@ -190,7 +206,8 @@ class StepRows:
         del self._seen[id(t)]
         return self._new_slot(t, key, nbytes)
 
-    def _new_slot(self, t: torch.Tensor, key: Hashable, nbytes: int | None = None, flag: bool = False) -> int:
+    def _new_slot(self, t: torch.Tensor, key: Hashable, nbytes: int | None = None, flag: bool = False,
+                  hold: bool = False) -> int:
         ver = t._version
         slot = self.n_slots
         self.n_slots += 1
@@ -217,8 +234,11 @@ class StepRows:
         elif flag and pol.gated(dev):
             entry = (slot, t, ver, key, dev)
             self._fslots[slot] = self._fpending[slot] = entry
+            if hold:
+                self._held.add(slot)
             # its bytes count towards the batch, but a flag never starts a flush itself: the tensor
-            # recorded next (its module's output, ...) is measured with it, before its gate is read
+            # recorded next (its module's output, ...) is measured with it, before its gate is read;
+            # a held one waits for the flush after its release (or a safe one, see flush)
             self._pending_bytes += t.numel() * t.element_size() if nbytes is None else nbytes
             return slot
         self._pending.append((slot, t, ver, key, measured, dev))
@@ -264,7 +284,7 @@ class StepRows:
         self.meta.append(meta)
         self.slots.append(slot)
 
-    def flag_slots(self, tensors: Sequence[torch.Tensor], key: Hashable) -> tuple[int, ...] | None:
+    def flag_slots(self, tensors: Sequence[torch.Tensor], key: Hashable, hold: bool = False) -> tuple[int, ...] | None:
         """Slots that say whether ``tensors`` hold NaN/Inf (``None`` if all are empty).
 
         A tensor that has a row anyway is read off its row. One measured for its flag alone (a
@@ -273,14 +293,15 @@ class StepRows:
         once a row measured so far in the step (that batch included) counted a NaN or an Inf.
         On a step where nothing did, these tensors are not read at all and their flags are 0:
         a NaN in such a tensor shows in the rows after it (its module's output), which opens the
-        gate before it is checked. Where the gate is not available (no NVRTC, EAGER), such
-        tensors get full rows as before."""
+        gate before it is checked. ``hold``: that row may come after the next flush (see
+        :meth:`flush`). Where the gate is not available (no NVRTC, EAGER), such tensors get full
+        rows as before."""
         if len(tensors) == 1:  # the common case, without a generator
             t = tensors[0]
             if not t.numel():
                 return None
-            return (self.slot_of(t, (key, 0), None, True),)
-        out = tuple(self.slot_of(t, (key, i), None, True) for i, t in enumerate(tensors) if t.numel())
+            return (self.slot_of(t, (key, 0), None, True, hold),)
+        out = tuple(self.slot_of(t, (key, i), None, True, hold) for i, t in enumerate(tensors) if t.numel())
         return out or None
 
     def rows_for(self, tensors: Sequence[torch.Tensor]) -> None:
@@ -294,9 +315,23 @@ class StepRows:
                 self._upgrade(hit[2], t, None, None)
 
     # -- flush points --------------------------------------------------------------------
-    def flush(self, now: tuple[Sequence[torch.Tensor], Sequence[int], list[torch.device]] | None = None) -> None:
+    def flush(self, now: tuple[Sequence[torch.Tensor], Sequence[int], list[torch.device]] | None = None,
+              flags: bool = False) -> None:
         """Measure the waiting tensors now (kernel launches; no host sync), with ``now``'s
-        (tensors, their slots, their devices): tensors handed over to be measured at once."""
+        (tensors, their slots, their devices): tensors handed over to be measured at once.
+
+        The gated checks of flag-only tensors run after the rows, except those *held* (see
+        :meth:`slot_of`): the row that would open the gate for them may still come (a budget flush
+        inside a module's call, before its output; an in-place module's flush; a gradient, whose
+        rows come as the backward pass goes on; a nested backward's end). They wait for a *safe*
+        flush (``flags``: the end of the outermost backward pass, the step's end), when every row
+        that could show their NaN/Inf is in. Held tensors past the budget that cannot wait
+        (:meth:`RowPolicy.room`) get full rows in this flush instead, as without the gate."""
+        if self._held:
+            if flags:
+                self._held.clear()
+            else:
+                self._rows_for_held()
         if not self._pending and now is None:
             if self._fpending:
                 self._measure_flags()
@@ -351,10 +386,22 @@ class StepRows:
                 except Exception:
                     self.dropped.add(slot)
 
+    def _rows_for_held(self) -> None:
+        """Held flag-only tensors past the budget, with no room to wait: full rows, measured now."""
+        pol = self.policy
+        held = [self._fpending[s] for s in self._held]
+        nbytes = sum(e[1].numel() * e[1].element_size() for e in held)
+        if nbytes > pol.budget and not pol.room(nbytes):
+            for slot, t, *_ in held:
+                self._upgrade(slot, t, None, None)
+
     def _measure_flags(self) -> None:
-        """The waiting flag-only tensors: their NaN/Inf checks, behind the gate (after the rows)."""
+        """The waiting flag-only tensors that are not held: their NaN/Inf checks, behind the gate
+        (after the rows)."""
         pol = self.policy
         waiting, self._fpending = self._fpending, {}
+        if self._held:  # they wait for a later flush
+            self._fpending = {s: waiting.pop(s) for s in self._held if s in waiting}
         by_dev: dict[torch.device, tuple[list, list]] = {}
         for slot, t, ver, key, dev in waiting.values():
             self._fslots[slot] = None
@@ -394,7 +441,7 @@ class StepRows:
 
     def finish(self) -> None:
         """The step's last flush: measure what waits, forget rows that could not be measured."""
-        self.flush()
+        self.flush(flags=True)
         if self.n_slots and not self.policy.calibrated:
             self.policy.calibrated = True
             self.policy.fit_budget(self._devices)

@@ -87,6 +87,42 @@ def test_flag_then_row_is_one_full_slot(monkeypatch):
     assert table[step.slots[-1], 0] == 16
 
 
+def test_held_checks_wait_for_a_safe_flush(monkeypatch):
+    """A held flag-only tensor is not checked at an ordinary flush (the row that would open the gate
+    may still come), but at the next flush once released, or at a safe one; held past the budget,
+    with no room to wait, it gets a full row instead."""
+    reads = []
+    real = stats.batch_nonfinite
+    monkeypatch.setattr(rows_mod._stats, "batch_nonfinite", lambda ts: reads.append(len(ts)) or real(ts))
+    h = torch.full((8,), float("inf"))
+    step = rows_mod.StepRows(_policy())
+    (fh,) = step.flag_slots([h], "h", hold=True)    # a module's input, its call still running
+    (fo,) = step.flag_slots([torch.ones(8)], "o")   # not held: checked at the next flush
+    step.add_row(("m", 32), torch.ones(8), "clean")
+    step.flush()
+    assert list(step._fpending) == [fh] and len(step.fblocks) == 1 and reads == []  # gate shut: 0 for fo
+    step.add_row(("m2", 32), h * 2, "shows it")     # the call's output: Inf
+    step.release([fh])
+    step.flush()
+    assert not step._fpending and reads == [1]      # checked behind the gate, now open
+    g = torch.full((8,), float("nan"))
+    (fg,) = step.flag_slots([g], "g", hold=True)    # a gradient: held until the backward pass ends
+    step.flush()
+    assert list(step._fpending) == [fg]
+    step.flush(flags=True)                          # the end of the outermost backward pass
+    table = _table(step)
+    flags = bad_rows(table)
+    assert (flags[fh], flags[fo], flags[fg]) == (True, False, True)
+
+    pol = _policy()
+    pol.budget = 16                                 # held past the budget (CPU: no room to wait)
+    step = rows_mod.StepRows(pol)
+    (fb,) = step.flag_slots([torch.full((8,), float("nan"))], "b", hold=True)
+    step.add_row(("m", 32), torch.ones(8), "clean")  # 32 bytes pending: a budget flush
+    assert not step._fpending and fb in step.blocks[-1][1]  # a full row, measured in that flush
+    assert _table(step)[fb, 1] == 8                 # its NaN count
+
+
 class _PostLN(nn.Module):
     """A BERT-style block: ``norm(x + lin(x))``; the residual sum is measured for a flag only."""
 
@@ -202,9 +238,108 @@ def _inplace_first_child():
     return _pure_half(model, 15000.0)
 
 
+class _Cross(nn.Module):
+    """A decoder layer that reads the encoder states before its own input (cross-attention order)."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.k = nn.Linear(d, d)
+        self.q = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, h, enc):
+        kk = self.k(enc)
+        return self.norm(self.q(h) * 1e-3 + kk)
+
+
+class _CrossBlock(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+        self.enc = nn.Linear(d, d)
+        self.dec = _Cross(d)
+
+    def forward(self, x):
+        enc = self.enc(x * 1e-3)
+        return self.dec(self.a(x) + self.b(x), enc)
+
+
+def _budget_flush_before_consumer(budget):
+    """A batch flushed by its byte budget (emulated with a tiny budget: 1 byte, every held check past
+    it; 600 bytes, a few 256-byte tensors a batch) between the residual sum's check and its
+    consumer's output: the encoder's row comes first and shows nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), _CrossBlock(16), nn.Linear(16, 1))
+    _eye(model[0], model[1].a, model[1].b)
+    model, kw = _pure_half(model, 15000.0)
+    return model, dict(kw, budget=budget)
+
+
+def _ln_backward(block_cls, budget=None):
+    """Backward overflow in a LayerNorm of a residual sum with a tiny variance (its input gradient
+    ~ 1/sigma x its output gradient) once the loss weight jumps at step 2: the norm is the producer."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), block_cls(16), nn.Linear(16, 1))
+    _eye(model[0])
+    with torch.no_grad():
+        model[1].lin.weight.zero_()
+        model[1].lin.bias.zero_()
+        model[2].weight.copy_(torch.linspace(-1, 1, 16)[None])
+        model[2].bias.zero_()
+    x = 1.0 + 0.01 * torch.randn(2, 4, 16, generator=torch.Generator().manual_seed(5))
+    k = [1.0]
+
+    def make_x(i):
+        k[0] = 1.0 if i < 2 else 1e3
+        return x.half()
+
+    kw = dict(steps=5, scaler=False, autocast=False, lr=0.0, make_x=make_x, loss_fn=lambda out: out.float().sum() * k[0])
+    if budget is not None:
+        kw["budget"] = budget
+    return model.half(), kw
+
+
+class _SideBranch(nn.Module):
+    """A side branch created between the residual sum's operands: its gradient row comes between the
+    sum's gradient and the rows that would show it."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.side = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        u = self.lin(x)
+        w = self.side(x.detach() * 1e-3)
+        return self.norm(x + u * 0.5) + w * 0.5
+
+
+class _ReentrantBetween(nn.Module):
+    """A reentrant checkpoint (its backward is a nested backward pass, which flushes the batch where
+    it ends) runs between the residual sum's gradient and the rows that would show it."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.act = nn.GELU()
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        u = self.lin(x) * 0.5
+        a = checkpoint(self.act, x, use_reentrant=True)  # made after u: its backward runs before u's
+        return self.norm(x + u + a * 1e-3)
+
+
 @pytest.mark.parametrize("case", [
     _residual_overflow, _attention, _backward_overflow, _inplace_relu_on_sum, _inplace_first_child,
-], ids=["residual", "attention", "backward", "inplace_relu_on_sum", "inplace_first_child"])
+    lambda: _budget_flush_before_consumer(1), lambda: _budget_flush_before_consumer(600),
+    lambda: _ln_backward(_SideBranch, budget=1), lambda: _ln_backward(_SideBranch, budget=600),
+    lambda: _ln_backward(_ReentrantBetween),
+], ids=["residual", "attention", "backward", "inplace_relu_on_sum", "inplace_first_child", "budget_forward_1",
+        "budget_forward_600", "budget_backward_1", "budget_backward_600", "reentrant_checkpoint"])
 def test_gated_flags_attribute_as_full_rows(tmp_path, monkeypatch, case):
     got = {}
     for gated in (False, True):
