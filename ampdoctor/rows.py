@@ -160,6 +160,7 @@ class StepRows:
         self._gates: dict[torch.device, torch.Tensor] = {}  # CUDA: this step's gate, per device
         self._cpu_open = False  # the CPU's gate: a CPU row of this step counted a NaN or an Inf
         self._cpu_scan = 0      # blocks looked at for it
+        self._cpu_losses: list[torch.Tensor] = []  # CPU losses that open it too (see open_gate_on)
 
     def __bool__(self) -> bool:
         return self.n_slots > 0
@@ -314,6 +315,18 @@ class StepRows:
             if hit is not None and hit[2] in self._fpending and hit[1] == t._version and hit[0]() is t:
                 self._upgrade(hit[2], t, None, None)
 
+    def open_gate_on(self, loss: torch.Tensor) -> None:
+        """A loss a backward pass starts from: a NaN/Inf in it opens the gate of its device as a row's
+        would (no sync). A tensor whose NaN/Inf no module reads (a model whose output is its own
+        residual sum, under a mean loss whose backward stays finite) shows in the loss alone."""
+        dev = loss.device
+        if dev.type == "cuda":
+            gate = self._gates.get(dev)
+            if gate is not None:
+                torch.bitwise_or(gate, _stats.nonfinite_any(loss).to(gate.dtype), out=gate)
+        elif dev.type == "cpu" and not self._cpu_open and self.policy.gated(dev):
+            self._cpu_losses.append(loss.detach())
+
     # -- flush points --------------------------------------------------------------------
     def flush(self, now: tuple[Sequence[torch.Tensor], Sequence[int], list[torch.device]] | None = None,
               flags: bool = False) -> None:
@@ -435,6 +448,9 @@ class StepRows:
                     self._cpu_open = True
                     break
             self._cpu_scan = len(self.blocks)
+            losses, self._cpu_losses = self._cpu_losses, []
+            if not self._cpu_open and losses:
+                self._cpu_open = any(bool(_stats.nonfinite_any(loss)) for loss in losses)
         if not self._cpu_open:
             return torch.zeros(len(ts), dtype=torch.float64)
         return _stats.batch_nonfinite(ts)

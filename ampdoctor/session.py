@@ -314,14 +314,22 @@ class Session:
     def on_backward(self, tensors: Any) -> None:
         self._active = True
         self.trained = True
-        self._outer_next = torch._C._current_graph_task_id() == -1  # not called from inside a backward
+        self._outer_next = outer = torch._C._current_graph_task_id() == -1  # not called from inside a backward
         if self._deferred:
             self._write_deferred()
         if self.recording:  # the weight gradients are read where this backward pass ends
-            for t in tensors if isinstance(tensors, (tuple, list)) else (tensors,):
+            roots = tensors if isinstance(tensors, (tuple, list)) else (tensors,)
+            for t in roots:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._backward_started)
                     break
+            if outer and self.attributing:  # a non-finite loss opens the gate of flag-only checks
+                for t in roots:
+                    if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point():
+                        try:
+                            self._rows.open_gate_on(t)
+                        except Exception as e:  # pragma: no cover - never break training for a statistic
+                            log.info("ampdoctor: could not check the loss for NaN/Inf: %s: %s", type(e).__name__, e)
         if self._scaled_loss_seen:
             return
         t = tensors[0] if isinstance(tensors, (tuple, list)) and len(tensors) == 1 else tensors

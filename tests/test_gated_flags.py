@@ -333,13 +333,34 @@ class _ReentrantBetween(nn.Module):
         return self.norm(x + u + a * 1e-3)
 
 
+class _OwnSum(nn.Module):
+    """The model's output is its own residual sum: no module outputs it, no module reads it."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(16, 16)
+        self.f = nn.Linear(16, 16)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return h + self.f(h)
+
+
+def _output_is_a_residual_sum():
+    """Only the loss shows the Inf (a mean loss: the backward stays finite): the root is the producer."""
+    torch.manual_seed(0)
+    model = _OwnSum()
+    _eye(model.inp, model.f)
+    return _pure_half(model, 15000.0, loss=1.0)
+
+
 @pytest.mark.parametrize("case", [
     _residual_overflow, _attention, _backward_overflow, _inplace_relu_on_sum, _inplace_first_child,
     lambda: _budget_flush_before_consumer(1), lambda: _budget_flush_before_consumer(600),
     lambda: _ln_backward(_SideBranch, budget=1), lambda: _ln_backward(_SideBranch, budget=600),
-    lambda: _ln_backward(_ReentrantBetween),
+    lambda: _ln_backward(_ReentrantBetween), _output_is_a_residual_sum,
 ], ids=["residual", "attention", "backward", "inplace_relu_on_sum", "inplace_first_child", "budget_forward_1",
-        "budget_forward_600", "budget_backward_1", "budget_backward_600", "reentrant_checkpoint"])
+        "budget_forward_600", "budget_backward_1", "budget_backward_600", "reentrant_checkpoint", "output_is_sum"])
 def test_gated_flags_attribute_as_full_rows(tmp_path, monkeypatch, case):
     got = {}
     for gated in (False, True):
