@@ -51,6 +51,10 @@ EAGER = os.environ.get("AMPDOCTOR_EAGER", "0") == "1"  # measure every tensor in
 # tensors measured only for a first-non-finite flag get a NaN/Inf check behind the step's gate
 # (see StepRows.flag_slots); "0": full statistics rows for them too, as rows of their own
 GATED_FLAGS = os.environ.get("AMPDOCTOR_FLAG_GATE", "1") != "0"
+# why a flag-only slot's gated check may have to wait (StepRows.slot_of's hold): HOLD_CALL, a module
+# call's input (or a container's output) until a call that took it returns; HOLD_PASS, a gradient
+# until the outermost backward pass ends
+HOLD_CALL, HOLD_PASS = 1, 2
 
 
 def _allocated(dev: torch.device) -> int:
@@ -153,9 +157,11 @@ class StepRows:
         # (slot, t, _version, key, device), None once measured
         self._fslots: dict[int, tuple | None] = {}
         self._fpending: dict[int, tuple] = {}
-        # waiting flag-only slots that no row measured so far may show yet: a module input whose call
-        # has not returned, a container output no module has read, a gradient (see flush)
-        self._held: set[int] = set()
+        # waiting flag-only slots that no row measured so far may show yet (see flush): a module input
+        # whose call has not returned, a container output no call that read it has returned (HOLD_CALL)
+        self._open: set[int] = set()
+        self._held: set[int] = set()     # gradients, until the outermost backward pass ends (HOLD_PASS)
+        self._checked: set[int] = set()  # held slots checked at a flush already (see _measure_flags)
         self.fblocks: list[tuple[torch.Tensor, list[int]]] = []  # (flags on device, their slots)
         self._gates: dict[torch.device, torch.Tensor] = {}  # CUDA: this step's gate, per device
         self._cpu_open = False  # the CPU's gate: a CPU row of this step counted a NaN or an Inf
@@ -167,11 +173,12 @@ class StepRows:
 
     # -- from the hooks ------------------------------------------------------------------
     def slot_of(self, t: torch.Tensor, key: Hashable, nbytes: int | None = None, flag: bool = False,
-                hold: bool = False) -> int:
+                hold: int = 0) -> int:
         """The slot measuring ``t`` as it is now (no host sync). ``nbytes``: ``t``'s size in bytes
         when the caller knows it already. ``flag``: only its NaN/Inf flag is needed (see
-        :meth:`flag_slots`); otherwise the slot gives a full row. ``hold``: a flag-only slot is
-        *held* (its gated check waits for a safe flush, see :meth:`flush`) until :meth:`release`."""
+        :meth:`flag_slots`); otherwise the slot gives a full row. ``hold``: why a flag-only slot's
+        gated check may have to wait (:data:`HOLD_CALL`, until :meth:`release`; :data:`HOLD_PASS`;
+        see :meth:`flush`)."""
         hit = self._seen.get(id(t))
         if hit is not None:
             if hit[1] == t._version:
@@ -179,7 +186,7 @@ class StepRows:
                     slot = hit[2]
                     if flag or slot not in self._fslots:
                         if hold and slot in self._fpending:
-                            self._held.add(slot)
+                            (self._open if hold == HOLD_CALL else self._held).add(slot)
                         return slot
                     return self._upgrade(slot, t, key, nbytes)
             elif hit[0]() is t:
@@ -187,17 +194,17 @@ class StepRows:
         return self._new_slot(t, key, nbytes, flag, hold)
 
     def release(self, slots: Sequence[int]) -> None:
-        """The module call that took ``slots``' tensors as inputs returned: its outputs are in the batch,
-        so its inputs' gated checks may run at any flush from now on."""
-        held = self._held
-        if held:
+        """A module call that took ``slots``' tensors as inputs returned: its outputs come next, with
+        no flush before them, so their gated checks may run at any flush from now on."""
+        if self._open:
             for s in slots:
-                held.discard(s)
+                self._open.discard(s)
 
     def _upgrade(self, slot: int, t: torch.Tensor, key: Hashable, nbytes: int | None) -> int:
         """A row is wanted of a tensor that had a flag-only slot: the slot becomes a full one if
         it still waits; if it was measured already, ``t`` gets a new, full slot."""
         self._fslots.pop(slot)
+        self._open.discard(slot)
         self._held.discard(slot)
         entry = self._fpending.pop(slot, None)
         if entry is not None:
@@ -208,7 +215,7 @@ class StepRows:
         return self._new_slot(t, key, nbytes)
 
     def _new_slot(self, t: torch.Tensor, key: Hashable, nbytes: int | None = None, flag: bool = False,
-                  hold: bool = False) -> int:
+                  hold: int = 0) -> int:
         ver = t._version
         slot = self.n_slots
         self.n_slots += 1
@@ -236,10 +243,10 @@ class StepRows:
             entry = (slot, t, ver, key, dev)
             self._fslots[slot] = self._fpending[slot] = entry
             if hold:
-                self._held.add(slot)
+                (self._open if hold == HOLD_CALL else self._held).add(slot)
             # its bytes count towards the batch, but a flag never starts a flush itself: the tensor
-            # recorded next (its module's output, ...) is measured with it, before its gate is read;
-            # a held one waits for the flush after its release (or a safe one, see flush)
+            # recorded next (its module's output, ...) is measured with it, before its gate is read
+            # (a held one: see flush)
             self._pending_bytes += t.numel() * t.element_size() if nbytes is None else nbytes
             return slot
         self._pending.append((slot, t, ver, key, measured, dev))
@@ -285,7 +292,7 @@ class StepRows:
         self.meta.append(meta)
         self.slots.append(slot)
 
-    def flag_slots(self, tensors: Sequence[torch.Tensor], key: Hashable, hold: bool = False) -> tuple[int, ...] | None:
+    def flag_slots(self, tensors: Sequence[torch.Tensor], key: Hashable, hold: int = 0) -> tuple[int, ...] | None:
         """Slots that say whether ``tensors`` hold NaN/Inf (``None`` if all are empty).
 
         A tensor that has a row anyway is read off its row. One measured for its flag alone (a
@@ -295,7 +302,7 @@ class StepRows:
         On a step where nothing did, these tensors are not read at all and their flags are 0:
         a NaN in such a tensor shows in the rows after it (its module's output), which opens the
         gate before it is checked. ``hold``: that row may come after the next flush (see
-        :meth:`flush`). Where the gate is not available (no NVRTC, EAGER), such tensors get full
+        :meth:`slot_of`). Where the gate is not available (no NVRTC, EAGER), such tensors get full
         rows as before."""
         if len(tensors) == 1:  # the common case, without a generator
             t = tensors[0]
@@ -305,45 +312,31 @@ class StepRows:
         out = tuple(self.slot_of(t, (key, i), None, True, hold) for i, t in enumerate(tensors) if t.numel())
         return out or None
 
-    def rows_for(self, tensors: Sequence[torch.Tensor]) -> None:
-        """``tensors`` are about to be overwritten in place (the inputs of an ``inplace`` module, just
-        before it runs): those waiting for a gated NaN/Inf check get full rows instead, measured at the
-        flush that follows. No row measured later shows what they hold now, so none could open the
-        gate for them (a residual sum handed to ``ReLU(inplace=True)``, as in torchvision's ResNet)."""
-        for t in tensors:
-            hit = self._seen.get(id(t))
-            if hit is not None and hit[2] in self._fpending and hit[1] == t._version and hit[0]() is t:
-                self._upgrade(hit[2], t, None, None)
-
-    def open_gate_on(self, loss: torch.Tensor) -> None:
-        """A loss a backward pass starts from: a NaN/Inf in it opens the gate of its device as a row's
-        would (no sync). A tensor whose NaN/Inf no module reads (a model whose output is its own
-        residual sum, under a mean loss whose backward stays finite) shows in the loss alone."""
-        dev = loss.device
-        if dev.type == "cuda":
-            gate = self._gates.get(dev)
-            if gate is not None:
-                torch.bitwise_or(gate, _stats.nonfinite_any(loss).to(gate.dtype), out=gate)
-        elif dev.type == "cpu" and not self._cpu_open and self.policy.gated(dev):
-            self._cpu_losses.append(loss.detach())
-
     # -- flush points --------------------------------------------------------------------
     def flush(self, now: tuple[Sequence[torch.Tensor], Sequence[int], list[torch.device]] | None = None,
               flags: bool = False) -> None:
         """Measure the waiting tensors now (kernel launches; no host sync), with ``now``'s
         (tensors, their slots, their devices): tensors handed over to be measured at once.
 
-        The gated checks of flag-only tensors run after the rows, except those *held* (see
-        :meth:`slot_of`): the row that would open the gate for them may still come (a budget flush
-        inside a module's call, before its output; an in-place module's flush; a gradient, whose
-        rows come as the backward pass goes on; a nested backward's end). They wait for a *safe*
-        flush (``flags``: the end of the outermost backward pass, the step's end), when every row
-        that could show their NaN/Inf is in. Held tensors past the budget that cannot wait
-        (:meth:`RowPolicy.room`) get full rows in this flush instead, as without the gate."""
-        if self._held:
-            if flags:
-                self._held.clear()
-            else:
+        The gated checks of flag-only tensors run after the rows, but the row that would open the
+        gate for some may not be in yet (see :meth:`slot_of`'s ``hold``). The input of a module call
+        that has not returned (a budget flush before its output; the flush before an in-place
+        module, which is about to overwrite it), or a container's output that no call that read it
+        has returned, gets a full row in this flush, as without the gate: it may have changed by
+        the time a row shows it. A gradient, whose rows come as the backward pass goes on (and a
+        nested backward pass, a reentrant checkpoint's, flushes in the middle of the outer one),
+        is checked now and again at each flush until a *safe* one (``flags``: the end of the
+        outermost backward pass, the step's end), when every row that could show its NaN/Inf is
+        in; its flag is any check's. Gradients held past the budget that cannot wait
+        (:meth:`RowPolicy.room`) get full rows in this flush instead."""
+        if flags:
+            self._open.clear()
+            self._held.clear()
+        else:
+            if self._open:
+                for slot in list(self._open):
+                    self._upgrade(slot, self._fpending[slot][1], None, None)
+            if self._held:
                 self._rows_for_held()
         if not self._pending and now is None:
             if self._fpending:
@@ -400,7 +393,7 @@ class StepRows:
                     self.dropped.add(slot)
 
     def _rows_for_held(self) -> None:
-        """Held flag-only tensors past the budget, with no room to wait: full rows, measured now."""
+        """Held gradients past the budget, with no room to wait: full rows, measured now."""
         pol = self.policy
         held = [self._fpending[s] for s in self._held]
         nbytes = sum(e[1].numel() * e[1].element_size() for e in held)
@@ -409,16 +402,24 @@ class StepRows:
                 self._upgrade(slot, t, None, None)
 
     def _measure_flags(self) -> None:
-        """The waiting flag-only tensors that are not held: their NaN/Inf checks, behind the gate
-        (after the rows)."""
+        """The waiting flag-only tensors: their NaN/Inf checks, behind the gate (after the rows).
+        Held gradients are checked too but keep waiting, to be checked again at a later flush
+        (their flag: any check's); one changed in place by then keeps the checks it had."""
         pol = self.policy
         waiting, self._fpending = self._fpending, {}
-        if self._held:  # they wait for a later flush
-            self._fpending = {s: waiting.pop(s) for s in self._held if s in waiting}
+        held, checked = self._held, self._checked
         by_dev: dict[torch.device, tuple[list, list]] = {}
-        for slot, t, ver, key, dev in waiting.values():
-            self._fslots[slot] = None
+        for entry in waiting.values():
+            slot, t, ver, key, dev = entry
+            if slot in held and t._version == ver:
+                self._fpending[slot] = entry
+                checked.add(slot)
+            else:
+                self._fslots[slot] = None
+                held.discard(slot)
             if t._version != ver:
+                if slot in checked:  # checked before the change, as a row would have been measured
+                    continue
                 pol.volatile.add(key)
                 self.dropped.add(slot)
                 if pol.on_stale is not None:
@@ -478,10 +479,11 @@ class StepRows:
         which holds its flag (1 or 0): it is read by :func:`ampdoctor.attribution.bad_rows` only."""
         table = np.full((self.n_slots, width), np.nan)
         nb = len(self.blocks)
-        for (_, slots), h in zip(self.blocks, host_blocks[:nb]):
-            table[slots] = np.asarray(h).reshape(len(slots), width)
-        for (_, slots), h in zip(self.fblocks, host_blocks[nb:]):
+        for (_, slots), h in zip(self.fblocks, host_blocks[nb:]):  # a held slot checked more than once: any
+            prev = table[slots, 1]
             table[slots] = 0.0
-            table[slots, 1] = np.asarray(h).reshape(len(slots))
+            table[slots, 1] = np.fmax(prev, np.asarray(h).reshape(len(slots)))
+        for (_, slots), h in zip(self.blocks, host_blocks[:nb]):  # rows last: a checked slot that got one
+            table[slots] = np.asarray(h).reshape(len(slots), width)
         return table
 

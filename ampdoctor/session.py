@@ -250,7 +250,7 @@ class Session:
         self._flags.append(flag if isinstance(flag, tuple) else flag.reshape(()))
         self._flag_meta.append((lid, call, phase))
 
-    def flag_slots(self, lid: int, phase: str, tensors: list, hold: bool = False) -> tuple | None:
+    def flag_slots(self, lid: int, phase: str, tensors: list, hold: int = 0) -> tuple | None:
         """The non-finite flag of ``tensors``, read off their statistics rows at the step's host
         read (each tensor is measured once per step, whoever asks). No kernel of its own.
         ``hold``: see :meth:`StepRows.slot_of`."""
@@ -264,16 +264,14 @@ class Session:
             self.note_layer(lid, f"could not check {phase} for NaN/Inf: {type(e).__name__}: {e}")
             return None
 
-    def flush_rows(self, overwritten: list | None = None, flags: bool = False) -> None:
+    def flush_rows(self, flags: bool = False) -> None:
         """A flush point: measure the tensors waiting in this step's batch now (launches only).
-        Called before a module that works in place runs (``overwritten``: its floating inputs, which
-        it may overwrite), and at the end of each backward pass (``flags``: the outermost one, a
-        safe flush for held flag-only tensors, see :meth:`StepRows.flush`)."""
+        Called before a module that works in place runs, and at the end of each backward pass
+        (``flags``: the outermost one, a safe flush for held flag-only checks, see
+        :meth:`StepRows.flush`)."""
         if self.closed:
             return
         try:
-            if overwritten:
-                self._rows.rows_for(overwritten)
             self._rows.flush(flags=flags)
         except Exception as e:  # pragma: no cover - never break training for a statistic
             log.warning("ampdoctor: could not measure a batch of tensors: %s: %s", type(e).__name__, e)

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .naming import WRAPPED_NOTE
+from .rows import HOLD_CALL, HOLD_PASS
 from .session import Session, _dtype_name, get_session
 from .tensors import _MAX_TENSORS, floating, iter_tensors
 
@@ -153,7 +154,7 @@ class _GradWork(list):
                     if not n or not s.attributing:
                         continue
                     if slot < 0:  # a flag-only slot unless a row of it is asked for too
-                        slot = rows.slot_of(grad, ((lid, "flag", name), 0), None, all(e[0] for e in self), True)
+                        slot = rows.slot_of(grad, ((lid, "flag", name), 0), None, all(e[0] for e in self), HOLD_PASS)
                     s._flags.append((slot,))
                     s._flag_meta.append((lid, call, name))
                 else:  # Session.add_stats, inline
@@ -309,14 +310,14 @@ class Watch:
             if t.dtype.is_floating_point and t.layout == _strided and not t.is_meta:
                 try:
                     if t.numel():
-                        flag = (rows.slot_of(t, key, None, True, not post),)
+                        flag = (rows.slot_of(t, key, None, True, 0 if post else HOLD_CALL),)
                     if t.requires_grad:
                         self._grad_work(t, ((True, lid, "gin", call),))
                 except Exception as e:  # pragma: no cover - as Session.flag_slots
                     s.note_layer(lid, f"could not check in for NaN/Inf: {type(e).__name__}: {e}")
         else:
             ins = _float_inputs(args)
-            flag = s.flag_slots(lid, "in", ins, not post)
+            flag = s.flag_slots(lid, "in", ins, 0 if post else HOLD_CALL)
             for t in ins:
                 if t.requires_grad:
                     self._grad_work(t, ((True, lid, "gin", call),))
@@ -354,8 +355,8 @@ class Watch:
                     vstack.append([(t, t._version) for _, t in iter_tensors(args)])
             if s.attributing:
                 stack.append(in_flag(lid, in_key, args, s._calls.get(lid, 0)))
-            if inplace:  # measure the waiting tensors before this module overwrites its input
-                s.flush_rows(_float_inputs(args) if s.attributing else None)
+            if inplace:
+                s.flush_rows()  # measure the waiting tensors before this module overwrites its input
 
         traced = self._eager(pre)
         self._stack[lid] = stack  # type: ignore[attr-defined]
@@ -440,7 +441,7 @@ class Watch:
             in_flag = None
             if s.attributing:  # the input flags: from the pre-hook, or here once it is gone
                 in_flag = in_flag_of(lid, in_key, args, call, True) if own_in[0] else stack.pop() if stack else None
-                if in_flag is not None:  # held (since the pre-hook, or as another call's output): the
+                if in_flag is not None:  # held (since the pre-hook, or as a container's output): the
                     s._rows.release(in_flag)  # outputs come next, with no flush before them
             if type(out) is _Tensor and out.dtype.is_floating_point and out.layout == _strided and not out.is_meta:
                 # the common case, one floating tensor: the same work as below, inline, and one hook
@@ -455,7 +456,7 @@ class Watch:
                             s._flags.append(in_flag)
                             s._flag_meta.append((lid, call, "in"))
                         if n:
-                            slot = rows.slot_of(out, out_key, None, not record_stats, not record_stats)
+                            slot = rows.slot_of(out, out_key, None, not record_stats, 0 if record_stats else HOLD_CALL)
                             s._flags.append((slot,))
                             s._flag_meta.append((lid, call, "out"))
                         if out.requires_grad:
@@ -478,7 +479,7 @@ class Watch:
             if s.attributing:
                 if in_flag is not None:
                     s.add_flag(lid, call, "in", in_flag)
-                out_flag = s.flag_slots(lid, "out", [t for _, t in outs], True)
+                out_flag = s.flag_slots(lid, "out", [t for _, t in outs], HOLD_CALL)
                 if out_flag is not None:
                     s.add_flag(lid, call, "out", out_flag)
                 for _, t in outs:

@@ -87,40 +87,55 @@ def test_flag_then_row_is_one_full_slot(monkeypatch):
     assert table[step.slots[-1], 0] == 16
 
 
-def test_held_checks_wait_for_a_safe_flush(monkeypatch):
-    """A held flag-only tensor is not checked at an ordinary flush (the row that would open the gate
-    may still come), but at the next flush once released, or at a safe one; held past the budget,
-    with no room to wait, it gets a full row instead."""
+def test_checks_whose_row_may_come_later(monkeypatch):
+    """A module call's input checked at a flush before the call returned gets a full row (the flush
+    before an in-place module, a budget flush before its output); once released, the gated check.
+    A gradient is checked at each flush (behind the gate) and again at a safe one (the end of the
+    outermost backward pass): its flag is any check's, and one changed in place after a check keeps
+    it (no note); held past the budget (the CPU: no room to wait), it gets a full row."""
     reads = []
     real = stats.batch_nonfinite
     monkeypatch.setattr(rows_mod._stats, "batch_nonfinite", lambda ts: reads.append(len(ts)) or real(ts))
     h = torch.full((8,), float("inf"))
     step = rows_mod.StepRows(_policy())
-    (fh,) = step.flag_slots([h], "h", hold=True)    # a module's input, its call still running
-    (fo,) = step.flag_slots([torch.ones(8)], "o")   # not held: checked at the next flush
+    (fr,) = step.flag_slots([h.clone()], "r", hold=rows_mod.HOLD_CALL)
+    step.release([fr])                                           # its call returned: its output next
     step.add_row(("m", 32), torch.ones(8), "clean")
     step.flush()
-    assert list(step._fpending) == [fh] and len(step.fblocks) == 1 and reads == []  # gate shut: 0 for fo
-    step.add_row(("m2", 32), h * 2, "shows it")     # the call's output: Inf
-    step.release([fh])
+    assert not step._fpending and fr in step.fblocks[-1][1] and reads == []  # the gated check: shut
+    (fh,) = step.flag_slots([h], "h", hold=rows_mod.HOLD_CALL)  # a call's input, the call still running
+    (fo,) = step.flag_slots([torch.ones(8)], "o")                # not held: the gated check
+    step.add_row(("m2", 32), torch.ones(8), "clean")
     step.flush()
-    assert not step._fpending and reads == [1]      # checked behind the gate, now open
+    assert not step._fpending and fh in step.blocks[-1][1]      # a full row (its Inf opens the gate)
+    assert reads == [1]                                          # fo: read behind the open gate
+    flags = bad_rows(_table(step))
+    assert (flags[fr], flags[fh], flags[fo]) == (False, True, False)  # fr: shut gate, its Inf missed
+
+    step = rows_mod.StepRows(_policy())
+    reads.clear()
     g = torch.full((8,), float("nan"))
-    (fg,) = step.flag_slots([g], "g", hold=True)    # a gradient: held until the backward pass ends
+    (fg,) = step.flag_slots([g], "g", hold=rows_mod.HOLD_PASS)   # a gradient
     step.flush()
-    assert list(step._fpending) == [fg]
-    step.flush(flags=True)                          # the end of the outermost backward pass
-    table = _table(step)
-    flags = bad_rows(table)
-    assert (flags[fh], flags[fo], flags[fg]) == (True, False, True)
+    assert list(step._fpending) == [fg] and reads == []         # checked behind the shut gate: waits on
+    step.add_row(("m3", 32), g * 2, "shows it")                 # a later gradient row: NaN
+    step.flush()
+    assert list(step._fpending) == [fg] and reads == [1]        # checked again, now behind an open gate
+    g2 = torch.ones(8)
+    (fg2,) = step.flag_slots([g2], "g2", hold=rows_mod.HOLD_PASS)
+    step.flush()
+    g2.mul_(float("inf"))                                        # changed in place after its check
+    step.flush(flags=True)                                       # the end of the outermost backward pass
+    flags = bad_rows(_table(step), step.dropped)
+    assert (flags[fg], flags[fg2]) == (True, False) and fg2 not in step.dropped  # no note either
 
     pol = _policy()
-    pol.budget = 16                                 # held past the budget (CPU: no room to wait)
+    pol.budget = 16
     step = rows_mod.StepRows(pol)
-    (fb,) = step.flag_slots([torch.full((8,), float("nan"))], "b", hold=True)
+    (fb,) = step.flag_slots([torch.full((8,), float("nan"))], "b", hold=rows_mod.HOLD_PASS)
     step.add_row(("m", 32), torch.ones(8), "clean")  # 32 bytes pending: a budget flush
-    assert not step._fpending and fb in step.blocks[-1][1]  # a full row, measured in that flush
-    assert _table(step)[fb, 1] == 8                 # its NaN count
+    assert not step._fpending and fb in step.blocks[-1][1]      # a full row, measured in that flush
+    assert _table(step)[fb, 1] == 8                              # its NaN count
 
 
 class _PostLN(nn.Module):
@@ -333,6 +348,38 @@ class _ReentrantBetween(nn.Module):
         return self.norm(x + u + a * 1e-3)
 
 
+class _Enc(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.pre = nn.Sequential(nn.Linear(d, d), nn.ReLU(inplace=True))
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x, other):
+        o = self.pre(other)  # an in-place module: a flush while x, this call's input, waits for a row
+        x += o               # then x, which no module outputs, is changed in place
+        return self.norm(x)
+
+
+class _EncTop(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.a = nn.Linear(d, d)
+        self.b = nn.Linear(d, d)
+        self.enc = _Enc(d)
+
+    def forward(self, inp):
+        return self.enc(self.a(inp) * 2.0, self.b(inp) * 1e-3)
+
+
+def _input_changed_after_flush():
+    """``self.a(inp) * 2.0`` overflows at step 2 (the root made it); the container it goes to runs an
+    in-place module (a flush) and then changes it in place: no row ever shows what it held."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_EncTop(16), nn.Linear(16, 1))
+    _eye(model[0].a)
+    return _pure_half(model, 12000.0)
+
+
 class _OwnSum(nn.Module):
     """The model's output is its own residual sum: no module outputs it, no module reads it."""
 
@@ -358,9 +405,10 @@ def _output_is_a_residual_sum():
     _residual_overflow, _attention, _backward_overflow, _inplace_relu_on_sum, _inplace_first_child,
     lambda: _budget_flush_before_consumer(1), lambda: _budget_flush_before_consumer(600),
     lambda: _ln_backward(_SideBranch, budget=1), lambda: _ln_backward(_SideBranch, budget=600),
-    lambda: _ln_backward(_ReentrantBetween), _output_is_a_residual_sum,
+    lambda: _ln_backward(_ReentrantBetween), _output_is_a_residual_sum, _input_changed_after_flush,
 ], ids=["residual", "attention", "backward", "inplace_relu_on_sum", "inplace_first_child", "budget_forward_1",
-        "budget_forward_600", "budget_backward_1", "budget_backward_600", "reentrant_checkpoint", "output_is_sum"])
+        "budget_forward_600", "budget_backward_1", "budget_backward_600", "reentrant_checkpoint", "output_is_sum",
+        "input_changed_after_flush"])
 def test_gated_flags_attribute_as_full_rows(tmp_path, monkeypatch, case):
     got = {}
     for gated in (False, True):
