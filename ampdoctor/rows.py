@@ -51,6 +51,10 @@ EAGER = os.environ.get("AMPDOCTOR_EAGER", "0") == "1"  # measure every tensor in
 # tensors measured only for a first-non-finite flag get a NaN/Inf check behind the step's gate
 # (see StepRows.flag_slots); "0": full statistics rows for them too, as rows of their own
 GATED_FLAGS = os.environ.get("AMPDOCTOR_FLAG_GATE", "1") != "0"
+# why a flag-only slot's gated check may have to wait (StepRows.slot_of's hold): HOLD_CALL, a module
+# call's input (or a container's output) until a call that took it returns; HOLD_PASS, a gradient
+# until the outermost backward pass ends
+HOLD_CALL, HOLD_PASS = 1, 2
 
 
 def _allocated(dev: torch.device) -> int:
@@ -153,35 +157,55 @@ class StepRows:
         # (slot, t, _version, key, device), None once measured
         self._fslots: dict[int, tuple | None] = {}
         self._fpending: dict[int, tuple] = {}
+        # waiting flag-only slots that no row measured so far may show yet (see flush): a module input
+        # whose call has not returned, a container output no call that read it has returned (HOLD_CALL)
+        self._open: set[int] = set()
+        self._held: set[int] = set()     # gradients, until the outermost backward pass ends (HOLD_PASS)
+        self._checked: set[int] = set()  # held slots checked at a flush already (see _measure_flags)
         self.fblocks: list[tuple[torch.Tensor, list[int]]] = []  # (flags on device, their slots)
         self._gates: dict[torch.device, torch.Tensor] = {}  # CUDA: this step's gate, per device
         self._cpu_open = False  # the CPU's gate: a CPU row of this step counted a NaN or an Inf
         self._cpu_scan = 0      # blocks looked at for it
+        self._cpu_losses: list[torch.Tensor] = []  # CPU losses that open it too (see open_gate_on)
 
     def __bool__(self) -> bool:
         return self.n_slots > 0
 
     # -- from the hooks ------------------------------------------------------------------
-    def slot_of(self, t: torch.Tensor, key: Hashable, nbytes: int | None = None, flag: bool = False) -> int:
+    def slot_of(self, t: torch.Tensor, key: Hashable, nbytes: int | None = None, flag: bool = False,
+                hold: int = 0) -> int:
         """The slot measuring ``t`` as it is now (no host sync). ``nbytes``: ``t``'s size in bytes
         when the caller knows it already. ``flag``: only its NaN/Inf flag is needed (see
-        :meth:`flag_slots`); otherwise the slot gives a full row."""
+        :meth:`flag_slots`); otherwise the slot gives a full row. ``hold``: why a flag-only slot's
+        gated check may have to wait (:data:`HOLD_CALL`, until :meth:`release`; :data:`HOLD_PASS`;
+        see :meth:`flush`)."""
         hit = self._seen.get(id(t))
         if hit is not None:
             if hit[1] == t._version:
                 if hit[0]() is t:
                     slot = hit[2]
                     if flag or slot not in self._fslots:
+                        if hold and slot in self._fpending:
+                            (self._open if hold == HOLD_CALL else self._held).add(slot)
                         return slot
                     return self._upgrade(slot, t, key, nbytes)
             elif hit[0]() is t:
                 self.changed += 1
-        return self._new_slot(t, key, nbytes, flag)
+        return self._new_slot(t, key, nbytes, flag, hold)
+
+    def release(self, slots: Sequence[int]) -> None:
+        """A module call that took ``slots``' tensors as inputs returned: its outputs come next, with
+        no flush before them, so their gated checks may run at any flush from now on."""
+        if self._open:
+            for s in slots:
+                self._open.discard(s)
 
     def _upgrade(self, slot: int, t: torch.Tensor, key: Hashable, nbytes: int | None) -> int:
         """A row is wanted of a tensor that had a flag-only slot: the slot becomes a full one if
         it still waits; if it was measured already, ``t`` gets a new, full slot."""
         self._fslots.pop(slot)
+        self._open.discard(slot)
+        self._held.discard(slot)
         entry = self._fpending.pop(slot, None)
         if entry is not None:
             _, _, ver, k, dev = entry
@@ -190,7 +214,8 @@ class StepRows:
         del self._seen[id(t)]
         return self._new_slot(t, key, nbytes)
 
-    def _new_slot(self, t: torch.Tensor, key: Hashable, nbytes: int | None = None, flag: bool = False) -> int:
+    def _new_slot(self, t: torch.Tensor, key: Hashable, nbytes: int | None = None, flag: bool = False,
+                  hold: int = 0) -> int:
         ver = t._version
         slot = self.n_slots
         self.n_slots += 1
@@ -217,8 +242,11 @@ class StepRows:
         elif flag and (pol._gated.get(dev) or (dev not in pol._gated and pol.gated(dev))):
             entry = (slot, t, ver, key, dev)
             self._fslots[slot] = self._fpending[slot] = entry
+            if hold:
+                (self._open if hold == HOLD_CALL else self._held).add(slot)
             # its bytes count towards the batch, but a flag never starts a flush itself: the tensor
             # recorded next (its module's output, ...) is measured with it, before its gate is read
+            # (a held one: see flush)
             self._pending_bytes += t.numel() * t.element_size() if nbytes is None else nbytes
             return slot
         self._pending.append((slot, t, ver, key, measured, dev))
@@ -264,7 +292,7 @@ class StepRows:
         self.meta.append(meta)
         self.slots.append(slot)
 
-    def flag_slots(self, tensors: Sequence[torch.Tensor], key: Hashable) -> tuple[int, ...] | None:
+    def flag_slots(self, tensors: Sequence[torch.Tensor], key: Hashable, hold: int = 0) -> tuple[int, ...] | None:
         """Slots that say whether ``tensors`` hold NaN/Inf (``None`` if all are empty).
 
         A tensor that has a row anyway is read off its row. One measured for its flag alone (a
@@ -273,20 +301,43 @@ class StepRows:
         once a row measured so far in the step (that batch included) counted a NaN or an Inf.
         On a step where nothing did, these tensors are not read at all and their flags are 0:
         a NaN in such a tensor shows in the rows after it (its module's output), which opens the
-        gate before it is checked. Where the gate is not available (no NVRTC, EAGER), such
-        tensors get full rows as before."""
+        gate before it is checked. ``hold``: that row may come after the next flush (see
+        :meth:`slot_of`). Where the gate is not available (no NVRTC, EAGER), such tensors get full
+        rows as before."""
         if len(tensors) == 1:  # the common case, without a generator
             t = tensors[0]
             if not t.numel():
                 return None
-            return (self.slot_of(t, (key, 0), None, True),)
-        out = tuple(self.slot_of(t, (key, i), None, True) for i, t in enumerate(tensors) if t.numel())
+            return (self.slot_of(t, (key, 0), None, True, hold),)
+        out = tuple(self.slot_of(t, (key, i), None, True, hold) for i, t in enumerate(tensors) if t.numel())
         return out or None
 
     # -- flush points --------------------------------------------------------------------
-    def flush(self, now: tuple[Sequence[torch.Tensor], Sequence[int], list[torch.device]] | None = None) -> None:
+    def flush(self, now: tuple[Sequence[torch.Tensor], Sequence[int], list[torch.device]] | None = None,
+              flags: bool = False) -> None:
         """Measure the waiting tensors now (kernel launches; no host sync), with ``now``'s
-        (tensors, their slots, their devices): tensors handed over to be measured at once."""
+        (tensors, their slots, their devices): tensors handed over to be measured at once.
+
+        The gated checks of flag-only tensors run after the rows, but the row that would open the
+        gate for some may not be in yet (see :meth:`slot_of`'s ``hold``). The input of a module call
+        that has not returned (a budget flush before its output; the flush before an in-place
+        module, which is about to overwrite it), or a container's output that no call that read it
+        has returned, gets a full row in this flush, as without the gate: it may have changed by
+        the time a row shows it. A gradient, whose rows come as the backward pass goes on (and a
+        nested backward pass, a reentrant checkpoint's, flushes in the middle of the outer one),
+        is checked now and again at each flush until a *safe* one (``flags``: the end of the
+        outermost backward pass, the step's end), when every row that could show its NaN/Inf is
+        in; its flag is any check's. Gradients held past the budget that cannot wait
+        (:meth:`RowPolicy.room`) get full rows in this flush instead."""
+        if flags:
+            self._open.clear()
+            self._held.clear()
+        else:
+            if self._open:
+                for slot in list(self._open):
+                    self._upgrade(slot, self._fpending[slot][1], None, None)
+            if self._held:
+                self._rows_for_held()
         if not self._pending and now is None:
             if self._fpending:
                 self._measure_flags()
@@ -341,14 +392,34 @@ class StepRows:
                 except Exception:
                     self.dropped.add(slot)
 
+    def _rows_for_held(self) -> None:
+        """Held gradients past the budget, with no room to wait: full rows, measured now."""
+        pol = self.policy
+        held = [self._fpending[s] for s in self._held]
+        nbytes = sum(e[1].numel() * e[1].element_size() for e in held)
+        if nbytes > pol.budget and not pol.room(nbytes):
+            for slot, t, *_ in held:
+                self._upgrade(slot, t, None, None)
+
     def _measure_flags(self) -> None:
-        """The waiting flag-only tensors: their NaN/Inf checks, behind the gate (after the rows)."""
+        """The waiting flag-only tensors: their NaN/Inf checks, behind the gate (after the rows).
+        Held gradients are checked too but keep waiting, to be checked again at a later flush
+        (their flag: any check's); one changed in place by then keeps the checks it had."""
         pol = self.policy
         waiting, self._fpending = self._fpending, {}
+        held, checked = self._held, self._checked
         by_dev: dict[torch.device, tuple[list, list]] = {}
-        for slot, t, ver, key, dev in waiting.values():
-            self._fslots[slot] = None
+        for entry in waiting.values():
+            slot, t, ver, key, dev = entry
+            if slot in held and t._version == ver:
+                self._fpending[slot] = entry
+                checked.add(slot)
+            else:
+                self._fslots[slot] = None
+                held.discard(slot)
             if t._version != ver:
+                if slot in checked:  # checked before the change, as a row would have been measured
+                    continue
                 pol.volatile.add(key)
                 self.dropped.add(slot)
                 if pol.on_stale is not None:
@@ -378,13 +449,16 @@ class StepRows:
                     self._cpu_open = True
                     break
             self._cpu_scan = len(self.blocks)
+            losses, self._cpu_losses = self._cpu_losses, []
+            if not self._cpu_open and losses:
+                self._cpu_open = any(bool(_stats.nonfinite_any(loss)) for loss in losses)
         if not self._cpu_open:
             return torch.zeros(len(ts), dtype=torch.float64)
         return _stats.batch_nonfinite(ts)
 
     def finish(self) -> None:
         """The step's last flush: measure what waits, forget rows that could not be measured."""
-        self.flush()
+        self.flush(flags=True)
         if self.n_slots and not self.policy.calibrated:
             self.policy.calibrated = True
             self.policy.fit_budget(self._devices)
@@ -405,10 +479,11 @@ class StepRows:
         which holds its flag (1 or 0): it is read by :func:`ampdoctor.attribution.bad_rows` only."""
         table = np.full((self.n_slots, width), np.nan)
         nb = len(self.blocks)
-        for (_, slots), h in zip(self.blocks, host_blocks[:nb]):
-            table[slots] = np.asarray(h).reshape(len(slots), width)
-        for (_, slots), h in zip(self.fblocks, host_blocks[nb:]):
+        for (_, slots), h in zip(self.fblocks, host_blocks[nb:]):  # a held slot checked more than once: any
+            prev = table[slots, 1]
             table[slots] = 0.0
-            table[slots, 1] = np.asarray(h).reshape(len(slots))
+            table[slots, 1] = np.fmax(prev, np.asarray(h).reshape(len(slots)))
+        for (_, slots), h in zip(self.blocks, host_blocks[:nb]):  # rows last: a checked slot that got one
+            table[slots] = np.asarray(h).reshape(len(slots), width)
         return table
 

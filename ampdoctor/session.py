@@ -199,6 +199,7 @@ class Session:
         self._flags: list[Any] = []  # device bools, or tuples of row slots (see flag_slots)
         self._flag_meta: list[tuple] = []
         self._calls: dict[int, int] = {}
+        self._outer_next = False  # the next backward pass seen is an outermost one (see on_backward)
         self._losses: list[torch.Tensor] = []
         self._scaled_loss_seen = False
         self._scaler: Any = None
@@ -267,26 +268,29 @@ class Session:
         self._flags.append(flag if isinstance(flag, tuple) else flag.reshape(()))
         self._flag_meta.append((lid, call, phase))
 
-    def flag_slots(self, lid: int, phase: str, tensors: list) -> tuple | None:
+    def flag_slots(self, lid: int, phase: str, tensors: list, hold: int = 0) -> tuple | None:
         """The non-finite flag of ``tensors``, read off their statistics rows at the step's host
-        read (each tensor is measured once per step, whoever asks). No kernel of its own."""
+        read (each tensor is measured once per step, whoever asks). No kernel of its own.
+        ``hold``: see :meth:`StepRows.slot_of`."""
         if self.closed:
             return None
         if phase in ("gin", "gout"):
             self._queue_backward_flush()
         try:
-            return self._rows.flag_slots(tensors, (lid, "flag", phase))
+            return self._rows.flag_slots(tensors, (lid, "flag", phase), hold)
         except Exception as e:  # pragma: no cover - as add_stats
             self.note_layer(lid, f"could not check {phase} for NaN/Inf: {type(e).__name__}: {e}")
             return None
 
-    def flush_rows(self) -> None:
+    def flush_rows(self, flags: bool = False) -> None:
         """A flush point: measure the tensors waiting in this step's batch now (launches only).
-        Called before a module that works in place runs, and at the end of each backward pass."""
+        Called before a module that works in place runs, and at the end of each backward pass
+        (``flags``: the outermost one, a safe flush for held flag-only checks, see
+        :meth:`StepRows.flush`)."""
         if self.closed:
             return
         try:
-            self._rows.flush()
+            self._rows.flush(flags=flags)
         except Exception as e:  # pragma: no cover - never break training for a statistic
             log.warning("ampdoctor: could not measure a batch of tensors: %s: %s", type(e).__name__, e)
 
@@ -305,12 +309,15 @@ class Session:
             return
         self._bw_task = task
         rows = self._rows
+        # the first backward pass seen after a loss.backward() called outside any backward is that
+        # one's; a nested one (a reentrant checkpoint's, ...) ends before its outer pass does
+        outer, self._outer_next = self._outer_next, False
 
         def at_backward_end() -> None:
             if rows is self._rows:
                 for w in self.watches:
                     w.record_weight_grads()
-                self.flush_rows()
+                self.flush_rows(flags=outer)
 
         torch.autograd.Variable._execution_engine.queue_callback(at_backward_end)
 
@@ -323,13 +330,22 @@ class Session:
     def on_backward(self, tensors: Any) -> None:
         self._active = True
         self.trained = True
+        self._outer_next = outer = torch._C._current_graph_task_id() == -1  # not called from inside a backward
         if self._deferred:
             self._write_deferred()
         if self.recording:  # the weight gradients are read where this backward pass ends
-            for t in tensors if isinstance(tensors, (tuple, list)) else (tensors,):
+            roots = tensors if isinstance(tensors, (tuple, list)) else (tensors,)
+            for t in roots:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._backward_started)
                     break
+            if outer and self.attributing:  # a non-finite loss opens the gate of flag-only checks
+                for t in roots:
+                    if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point():
+                        try:
+                            self._rows.open_gate_on(t)
+                        except Exception as e:  # pragma: no cover - never break training for a statistic
+                            log.info("ampdoctor: could not check the loss for NaN/Inf: %s: %s", type(e).__name__, e)
         if self._scaled_loss_seen:
             return
         t = tensors[0] if isinstance(tensors, (tuple, list)) and len(tensors) == 1 else tensors

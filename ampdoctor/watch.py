@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .naming import WRAPPED_NOTE
+from .rows import HOLD_CALL, HOLD_PASS
 from .session import Session, _dtype_name, get_session
 from .tensors import _MAX_TENSORS, floating, iter_tensors
 
@@ -154,7 +155,7 @@ class _GradWork(list):
                         continue
                     if slot < 0:  # a flag-only slot unless a row of it is asked for too
                         only = self[-1][0] and (len(self) == 1 or all(e[0] for e in self))
-                        slot = rows.slot_of(grad, ((lid, "flag", name), 0), None, only)
+                        slot = rows.slot_of(grad, ((lid, "flag", name), 0), None, only, HOLD_PASS)
                     s._flags.append((slot,))
                     s._flag_meta.append((lid, call, name))
                 else:  # Session.add_stats, inline
@@ -310,14 +311,14 @@ class Watch:
             if t.dtype.is_floating_point and t.layout == _strided and not t.is_meta:
                 try:
                     if t.numel():
-                        flag = (rows.slot_of(t, key, None, True),)
+                        flag = (rows.slot_of(t, key, None, True, 0 if post else HOLD_CALL),)
                     if t.requires_grad:
                         self._grad_work(t, ((True, lid, "gin", call),))
                 except Exception as e:  # pragma: no cover - as Session.flag_slots
                     s.note_layer(lid, f"could not check in for NaN/Inf: {type(e).__name__}: {e}")
         else:
             ins = _float_inputs(args)
-            flag = s.flag_slots(lid, "in", ins)
+            flag = s.flag_slots(lid, "in", ins, 0 if post else HOLD_CALL)
             for t in ins:
                 if t.requires_grad:
                     self._grad_work(t, ((True, lid, "gin", call),))
@@ -441,6 +442,8 @@ class Watch:
             in_flag = None
             if s.attributing:  # the input flags: from the pre-hook, or here once it is gone
                 in_flag = in_flag_of(lid, in_key, args, call, True) if own_in[0] else stack.pop() if stack else None
+                if in_flag is not None:  # held (since the pre-hook, or as a container's output): the
+                    s._rows.release(in_flag)  # outputs come next, with no flush before them
             if type(out) is _Tensor and out.dtype.is_floating_point and out.layout == _strided and not out.is_meta:
                 # the common case, one floating tensor: the same work as below, inline, and one hook
                 # request for both gradient entries
@@ -454,7 +457,7 @@ class Watch:
                             s._flags.append(in_flag)
                             s._flag_meta.append((lid, call, "in"))
                         if n:
-                            slot = rows.slot_of(out, out_key, None, not record_stats)
+                            slot = rows.slot_of(out, out_key, None, not record_stats, 0 if record_stats else HOLD_CALL)
                             s._flags.append((slot,))
                             s._flag_meta.append((lid, call, "out"))
                         if out.requires_grad:
@@ -477,7 +480,7 @@ class Watch:
             if s.attributing:
                 if in_flag is not None:
                     s.add_flag(lid, call, "in", in_flag)
-                out_flag = s.flag_slots(lid, "out", [t for _, t in outs])
+                out_flag = s.flag_slots(lid, "out", [t for _, t in outs], HOLD_CALL)
                 if out_flag is not None:
                     s.add_flag(lid, call, "out", out_flag)
                 for _, t in outs:
