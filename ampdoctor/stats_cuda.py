@@ -213,6 +213,17 @@ def _or_gate(gate: torch.Tensor, rows: torch.Tensor) -> None:
     torch.bitwise_or(gate, (rows[:, 1:4] != 0).any().to(gate.dtype), out=gate)
 
 
+def _aligned_copy(t: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
+    """A contiguous copy of ``t`` (``k`` elements) at a 16-byte aligned address, and that address:
+    every pointer the kernels get is aligned (one kernel specialisation, 16-byte loads)."""
+    t = t.detach().contiguous()
+    a = t.data_ptr()
+    if k and a % 16:
+        t = t.clone()
+        a = t.data_ptr()
+    return t, a
+
+
 def fused_batch_stats(tensors: Sequence[torch.Tensor], fmt: Format, *, _allow_cpu: bool = False,
                       gate: torch.Tensor | None = None) -> torch.Tensor | None:
     """Rows of ``tensors`` (all on one CUDA device), shape ``(N, row_width(fmt))``, float64.
@@ -245,11 +256,7 @@ def fused_batch_stats(tensors: Sequence[torch.Tensor], fmt: Format, *, _allow_cp
             continue
         a = t.data_ptr()
         if a % 16 or not t.is_contiguous():
-            t = t.detach().contiguous()
-            a = t.data_ptr()
-            if k and a % 16:
-                t = t.clone()  # keep every pointer 16-byte aligned (one kernel specialisation)
-                a = t.data_ptr()
+            t, a = _aligned_copy(t, k)
         views[i] = t
         numel[i] = k
         ptr[i] = a
@@ -344,11 +351,7 @@ def fused_nonfinite(tensors: Sequence[torch.Tensor], gate: torch.Tensor) -> torc
             continue
         a = t.data_ptr()
         if a % 16 or not t.is_contiguous():
-            t = t.detach().contiguous()
-            a = t.data_ptr()
-            if k and a % 16:
-                t = t.clone()
-                a = t.data_ptr()
+            t, a = _aligned_copy(t, k)
             keep.append(t)
         numel.append(k)
         ptr.append(a)
