@@ -123,11 +123,24 @@ def _train_overflowing(steps: int, factor: float = 60) -> None:
 
 
 def test_python_api_bisect(tmp_path):
+    import random
+
+    import numpy as np
+    import torch
 
     import ampdoctor
 
+    random.seed(123)
+    np.random.seed(123)
+    torch.manual_seed(123)
+    before = random.random(), np.random.rand(), torch.rand(()).item()
+    random.seed(123)
+    np.random.seed(123)
+    torch.manual_seed(123)
     res = ampdoctor.bisect(lambda: _train_overflowing(60), out=tmp_path)
     assert res["verdict"] == "culprit" and res["culprits"] == ["2"], res
+    # the trials reseed the global RNGs (seed 0); the caller's streams go on as if bisect had not run
+    assert (random.random(), np.random.rand(), torch.rand(()).item()) == before
     assert json.loads((tmp_path / "bisect.json").read_text()) == json.loads(json.dumps(res, allow_nan=False))
     assert len(res["trials"]) <= 5
 

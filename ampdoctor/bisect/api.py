@@ -106,4 +106,28 @@ def bisect(train_fn: Callable[[], Any], *, format: str = "fp16", out: str | Path
     runner = InProcessRunner(train_fn, out_dir, seed=seed, fmt=format, oracle=opts.oracle.to_dict(),
                              max_steps=max_steps)
     from .driver import _clean
-    return _clean(run_bisect(None, [], out_dir, opts, progress=progress, runner=runner))  # as bisect.json: no Inf/NaN
+    saved = _rng_states()
+    try:
+        return _clean(run_bisect(None, [], out_dir, opts, progress=progress, runner=runner))  # as bisect.json: no Inf/NaN
+    finally:
+        _restore_rng(saved)  # the trials reseed the global RNGs: the caller gets back the state it had
+
+
+def _rng_states() -> tuple:
+    """The global RNG states a trial reseeds: Python's, NumPy's, torch's CPU generator and those of
+    the CUDA devices already initialised (reading them does not initialise CUDA)."""
+    import numpy as np
+
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    return random.getstate(), np.random.get_state(), torch.get_rng_state(), cuda
+
+
+def _restore_rng(saved: tuple) -> None:
+    import numpy as np
+
+    py, npy, cpu, cuda = saved
+    random.setstate(py)
+    np.random.set_state(npy)
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)
