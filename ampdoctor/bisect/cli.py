@@ -50,7 +50,7 @@ def _summary(res: dict) -> str:
     elif res["verdict"] == "inconclusive":
         lines.append("The trials could not settle it: " + "; ".join(res.get("notes", [])))
         if res.get("suspects"):
-            lines.append("smallest set known to pass: " + ", ".join(res["suspects"]))
+            lines.append("smallest set known to pass: " + ", ".join(c or "(whole model)" for c in res["suspects"]))
     for a in res.get("advice", []):
         lines.append(f"fix: {a}")
     for note in res.get("notes", []) if res["verdict"] != "inconclusive" else []:
