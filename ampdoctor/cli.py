@@ -115,7 +115,7 @@ def _write_outputs(report, json_path: str | None, html_path: str | None, csv_pat
               help="Target format the statistics are measured against.")
 @click.option("--every", type=click.IntRange(min=1), default=1, show_default=True, help="Record full statistics every N steps.")
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Stop the script cleanly after N steps.")
-@click.option("--all-modules", is_flag=True, help="Statistics for container modules too, not only leaves.")
+@click.option("--all-modules", is_flag=True, help="Statistics for container modules too [default: leaves and modules that own parameters].")
 @click.option("--nproc-per-node", "nproc", type=click.IntRange(min=1), default=1, show_default=True,
               help="Launch through torchrun with N processes (DDP scripts); one trace per rank.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the report as JSON here.")

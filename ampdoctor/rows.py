@@ -312,6 +312,18 @@ class StepRows:
         out = tuple(self.slot_of(t, (key, i), None, True, hold) for i, t in enumerate(tensors) if t.numel())
         return out or None
 
+    def open_gate_on(self, loss: torch.Tensor) -> None:
+        """A loss a backward pass starts from: a NaN/Inf in it opens the gate of its device as a row's
+        would (no sync). A tensor whose NaN/Inf no module reads (a model whose output is its own
+        residual sum, under a mean loss whose backward stays finite) shows in the loss alone."""
+        dev = loss.device
+        if dev.type == "cuda":
+            gate = self._gates.get(dev)
+            if gate is not None:
+                torch.bitwise_or(gate, _stats.nonfinite_any(loss).to(gate.dtype), out=gate)
+        elif dev.type == "cpu" and not self._cpu_open and self.policy.gated(dev):
+            self._cpu_losses.append(loss.detach())
+
     # -- flush points --------------------------------------------------------------------
     def flush(self, now: tuple[Sequence[torch.Tensor], Sequence[int], list[torch.device]] | None = None,
               flags: bool = False) -> None:

@@ -61,6 +61,29 @@ def test_missing_script_is_usage_error(tmp_path):
     assert p.returncode == 2 and "is a directory, not a script" in p.stderr
 
 
+def test_help_shows_the_oracle_defaults():
+    """README: --scale-floor (default 1.0), --skip-window (10), --skip-frac (0.5); --help said only
+    '[oracle default]' or nothing."""
+    from click.testing import CliRunner
+
+    from ampdoctor.bisect.cli import bisect_command
+
+    text = " ".join(CliRunner().invoke(bisect_command, ["--help"]).output.split())
+    for opt, default in (("--scale-floor", "1.0"), ("--skip-window", "10"), ("--skip-frac", "0.5")):
+        after = text.split(opt + " ", 1)[1].split(" --", 1)[0]
+        assert f"[default: {default}]" in after, (opt, after)
+
+
+def test_inconclusive_summary_names_the_whole_model():
+    """A budget exhausted after the all-FP32 control: the smallest set known to pass is the root
+    (suspects [""]); the summary printed an empty name."""
+    from ampdoctor.bisect.cli import _summary
+
+    res = {"verdict": "inconclusive", "culprits": [], "trials": [], "notes": ["trial budget of 1 exhausted"],
+           "suspects": [""], "out": "o"}
+    assert "smallest set known to pass: (whole model)" in _summary(res)
+
+
 def test_torchrun_trial_whose_rank0_was_stopped_takes_the_deciding_rank(tmp_path):
     """Under torchrun a rank that decides ends the others (exit status 75): when rank 0 was stopped
     before it wrote its result, the rank that stopped the run speaks for it (not "the trial process

@@ -70,6 +70,24 @@ def test_gate_shut_reads_nothing_open_reads_exactly(monkeypatch):
     assert [_ref_bad(t) for t in xs[:3]] == [True, False, True]
 
 
+def test_nonfinite_loss_opens_the_gate(caplog):
+    """The loss a backward pass starts from opens the gate as a row's NaN/Inf would (session.on_backward
+    calls StepRows.open_gate_on; the method had gone missing and every backward logged an AttributeError)."""
+    h = torch.full((8,), float("inf"))
+    for loss, expect in ((torch.tensor(1.5), False), (torch.tensor(float("inf")), True)):
+        step = rows_mod.StepRows(_policy())
+        (fh,) = step.flag_slots([h], "h")
+        step.add_row(("m", 32), torch.ones(8), "clean")  # no row counts a NaN/Inf
+        step.open_gate_on(loss)
+        assert bad_rows(_table(step))[fh] is expect
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 1))
+    with caplog.at_level("INFO", logger="ampdoctor"), ampdoctor.watch(model, trace=None) as w:
+        train(model, steps=3)
+    assert w.session._rows.policy.gated(torch.device("cpu"))
+    assert not [r for r in caplog.records if "could not check the loss" in r.getMessage()]
+
+
 def test_flag_then_row_is_one_full_slot(monkeypatch):
     x = torch.randn(16)
     x[0] = float("inf")

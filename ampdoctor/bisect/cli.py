@@ -8,6 +8,9 @@ from pathlib import Path
 import click
 
 from ..formats import FORMATS
+from ..oracle import OracleConfig
+
+_ORACLE = OracleConfig()  # its defaults, shown in --help
 
 
 def _progress(kind: str, info: dict) -> None:
@@ -47,7 +50,7 @@ def _summary(res: dict) -> str:
     elif res["verdict"] == "inconclusive":
         lines.append("The trials could not settle it: " + "; ".join(res.get("notes", [])))
         if res.get("suspects"):
-            lines.append("smallest set known to pass: " + ", ".join(res["suspects"]))
+            lines.append("smallest set known to pass: " + ", ".join(c or "(whole model)" for c in res["suspects"]))
     for a in res.get("advice", []):
         lines.append(f"fix: {a}")
     for note in res.get("notes", []) if res["verdict"] != "inconclusive" else []:
@@ -72,9 +75,13 @@ def _summary(res: dict) -> str:
 @click.option("--max-trials", type=click.IntRange(min=1), default=None, help="Give up (inconclusive) after N trials.")
 @click.option("--nonfinite-k", type=click.IntRange(min=1), default=3, show_default=True,
               help="Fail when the loss is non-finite K steps in a row.")
-@click.option("--scale-floor", type=float, default=None, help="Fail when the GradScaler scale drops below this [oracle default].")
-@click.option("--skip-window", type=click.IntRange(min=1), default=None, help="Window W for the skipped-steps criterion.")
-@click.option("--skip-frac", type=float, default=None, help="Fail when more than this fraction of the last W steps were skipped.")
+@click.option("--scale-floor", type=float, default=None,
+              help=f"Fail when the GradScaler scale drops below this [default: {_ORACLE.scale_floor}].")
+@click.option("--skip-window", type=click.IntRange(min=1), default=None,
+              help=f"Window W for the skipped-steps criterion [default: {_ORACLE.skip_window}].")
+@click.option("--skip-frac", type=float, default=None,
+              help=f"Fail when more than this fraction of the last W steps were skipped [default: {_ORACLE.skip_frac}]; "
+                   f"the first {_ORACLE.startup_grace} steps of GradScaler start-up backoff never count.")
 @click.option("--divergence", type=float, default=None,
               help="Also fail when the final loss is worse than the FP32 control's by this factor (runs the control first).")
 @click.option("--nproc-per-node", "nproc", type=click.IntRange(min=1), default=1, show_default=True,
@@ -90,7 +97,6 @@ def bisect_command(out, json_path, fmt, jobs, repeat, timeout, max_steps, margin
     Options go before SCRIPT; everything after it (or after `--`) is the script's own.
     Exit status: 0 culprit or healthy, 1 error, 2 usage, 3 not_precision, 4 inconclusive."""
     from ..cli import _script_args, default_out
-    from ..oracle import OracleConfig
     from ..runner import script_problem
     from .driver import BisectOptions, run_bisect
 
