@@ -222,6 +222,20 @@ def test_jobs_and_repeat(tmp_path):
     assert [int(ln.split()[1]) for ln in lines] == list(range(1, len(lines) + 1))  # each trial numbered once
 
 
+@pytest.mark.slow
+def test_max_trials_counts_the_same_with_jobs(tmp_path):
+    """--jobs 2 runs the first guesses (the all-FP32 control, the hint) side by side before the search;
+    they were not counted against --max-trials (--max-trials 1 ran 4 trials and named a culprit)."""
+    got = []
+    for jobs in ("1", "2"):
+        p = bisect("--out", tmp_path / jobs, "--json", tmp_path / f"{jobs}.json", "--jobs", jobs, "--max-trials", "1",
+                   "--no-drill", FIXTURES / "linear_overflow.py")
+        res = json.loads((tmp_path / f"{jobs}.json").read_text())
+        assert res["verdict"] == "inconclusive" and p.returncode == 4, p.stdout + p.stderr
+        got.append(len(res["trials"]))
+    assert got == [2, 2]  # the baseline and one search trial
+
+
 def test_fix_snippets_for_autocast_and_pure_half_models():
     from ampdoctor.bisect.driver import fix_snippets
 

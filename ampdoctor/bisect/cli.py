@@ -72,7 +72,7 @@ def _summary(res: dict) -> str:
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Cap every run at N steps.")
 @click.option("--margin", type=click.IntRange(min=0), default=None,
               help="A trial passes after the baseline's failure step + this many steps [default: max(5, step/2)].")
-@click.option("--max-trials", type=click.IntRange(min=1), default=None, help="Give up (inconclusive) after N trials.")
+@click.option("--max-trials", type=click.IntRange(min=1), default=None, help="Give up (inconclusive) after N search trials (the baseline and the drill-down not counted).")
 @click.option("--nonfinite-k", type=click.IntRange(min=1), default=3, show_default=True,
               help="Fail when the loss is non-finite K steps in a row.")
 @click.option("--scale-floor", type=float, default=None,

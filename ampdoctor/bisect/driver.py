@@ -199,7 +199,11 @@ def run_bisect(script: str | None, args: Sequence[str], out: Path, opts: BisectO
         first.append(("hint-" + (hints[0] or "root"), [hints[0]]))
     gpus = _gpus()
     jobs = max(1, opts.jobs)
-    if jobs > 1:
+    spent = 0
+    if jobs > 1:  # the first guesses side by side: search trials, counted as they are with --jobs 1
+        if opts.max_trials is not None:
+            first = first[:opts.max_trials]
+        spent = len(first)
         for t in runner.run_many(first, pass_after=pass_after, jobs=jobs, gpus=gpus if gpus > 1 else 0, lite=True):
             record(t)
             known[frozenset(t.fp32)] = t.outcome
@@ -213,7 +217,7 @@ def run_bisect(script: str | None, args: Sequence[str], out: Path, opts: BisectO
         return t.outcome
 
     sr = find_culprits(bl.candidates, test, parent=bl.parent, hints=hints, repeat=opts.repeat,
-                       known=known, max_trials=opts.max_trials)
+                       known=known, max_trials=opts.max_trials, spent=spent)
     notes = base_notes + list(sr.notes)
     if sr.verdict != "culprit":
         extra: dict[str, Any] = {"notes": notes}

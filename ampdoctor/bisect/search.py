@@ -153,8 +153,9 @@ class _Tree:
 
 class _Search:
     def __init__(self, tree: _Tree, test: Callable[[frozenset], str], repeat: int,
-                 known: Optional[Mapping[frozenset, str]], max_trials: Optional[int]) -> None:
+                 known: Optional[Mapping[frozenset, str]], max_trials: Optional[int], spent: int = 0) -> None:
         self.tree, self.test, self.repeat, self.max_trials = tree, test, repeat, max_trials
+        self.spent = spent  # trials run before the search, on its account (the results in ``known``)
         self.cache: dict[frozenset, Optional[str]] = {}
         self.raw: dict[frozenset, str] = {}
         for s, o in (known or {}).items():
@@ -175,7 +176,7 @@ class _Search:
         runs: list[str] = []
         need = self.repeat // 2 + 1
         while len(runs) < self.repeat:
-            if self.max_trials is not None and len(self.trials) >= self.max_trials:
+            if self.max_trials is not None and self.spent + len(self.trials) >= self.max_trials:
                 raise _Budget()
             o = self.test(s)
             if o not in _OUTCOMES:
@@ -337,19 +338,20 @@ class _Search:
 def find_culprits(candidates: Sequence[str], test: Callable[[frozenset[str]], Outcome], *,
                   parent: Optional[Mapping[str, Optional[str]]] = None, hints: Sequence[str] = (),
                   repeat: int = 1, known: Optional[Mapping[frozenset[str], Outcome]] = None,
-                  max_trials: Optional[int] = None) -> SearchResult:
+                  max_trials: Optional[int] = None, spent: int = 0) -> SearchResult:
     """Search ``candidates`` (qualified module names in execution order, containers and
     leaves) for the smallest set, of the deepest modules, whose FP32 cast makes ``test`` pass.
 
     ``parent`` maps each candidate to its parent candidate or None; by default it is inferred
     from dotted names (pass ``{n: None for n in candidates}`` for a flat search). ``hints``
     are tried first. ``known`` holds results already run (e.g. the controls), keyed by
-    frozenset of names. ``max_trials`` bounds the number of runs (inconclusive beyond it).
+    frozenset of names. ``max_trials`` bounds the number of runs (inconclusive beyond it), ``spent``
+    of which were run already (those in ``known`` that count as search trials).
     """
     if repeat < 1:
         raise ValueError(f"repeat={repeat}: must be >= 1 (runs per trial set, majority decides)")
     tree = _Tree(candidates, parent)
-    s = _Search(tree, test, repeat, known, max_trials)
+    s = _Search(tree, test, repeat, known, max_trials, spent)
 
     def result(verdict: str, culprits: Sequence[str] = (), suspects: Sequence[str] = ()) -> SearchResult:
         if verdict == "inconclusive" and s.disagreements:
