@@ -105,6 +105,8 @@ def _write_outputs(report, json_path: str | None, html_path: str | None, csv_pat
             continue
         if say:
             click.echo(f"{what}: {p}")
+        else:
+            logging.getLogger("ampdoctor.report").info("ampdoctor: wrote the %s %s", what, p)
     return ok
 
 
@@ -212,10 +214,15 @@ def report(path, json_path, html_path, csv_path, rank, sort, top, only_bad, matc
     """Print (and write) the report of a trace file or run folder. Needs only the trace."""
     from .report import build_report
 
+    log = logging.getLogger("ampdoctor.report")
+    log.info("ampdoctor: reading %s", path)
     try:
         rep = build_report(path, rank=rank)
     except (FileNotFoundError, ValueError) as e:
         raise click.ClickException(str(e)) from None
+    log.info("ampdoctor: trace %s: %d steps in the timeline, %d layer rows, %d events, %d notes%s", rep.trace,
+             len(rep.timeline), len(rep.layers), len(rep.events), len(rep.notes),
+             ", with a bisect result" if rep.bisect else "")
     _print_report(rep, sort, top, only_bad, match, kinds)
     if not _write_outputs(rep, json_path, html_path, csv_path, None):
         sys.exit(1)

@@ -41,6 +41,8 @@ def test_script_args_after_double_dash(tmp_path):
     assert p.returncode == 0, p.stderr
     assert p.stdout.count("step ") >= 3
     assert len(TraceReader(out / "trace.sqlite").steps()) == 3
+    r = amp("-v", "report", out)  # README: -v logs what it does (report logged nothing)
+    assert r.returncode == 0 and f"reading {out}" in r.stderr and "3 steps in the timeline" in r.stderr, r.stderr
 
 
 def test_max_steps_stops_cleanly(tmp_path):
