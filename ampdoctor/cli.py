@@ -135,8 +135,9 @@ def run(out, fmt, every, max_steps, all_modules, nproc, json_path, html_path, so
     from .report import build_report
     from .runner import EXIT_NEVER_TRAINED, ScriptNotFound, run_script, script_problem
 
-    if script_problem(script):
-        raise click.UsageError(script_problem(script))
+    problem = script_problem(script)
+    if problem:
+        raise click.UsageError(problem)
     _kinds(kinds)  # a usage error before the script runs, not after
     out_dir = Path(out) if out else default_out(script, "run")
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -239,7 +239,7 @@ class StepRows:
             if pol.calibrated or EAGER:
                 return slot
             measured = True  # calibration: also wait in the batch, to learn whether it would go stale
-        elif flag and (pol._gated.get(dev) or (dev not in pol._gated and pol.gated(dev))):
+        elif flag and pol.gated(dev):
             entry = (slot, t, ver, key, dev)
             self._fslots[slot] = self._fpending[slot] = entry
             if hold:

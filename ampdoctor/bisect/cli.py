@@ -100,8 +100,9 @@ def bisect_command(out, json_path, fmt, jobs, repeat, timeout, max_steps, margin
     from ..runner import script_problem
     from .driver import BisectOptions, run_bisect
 
-    if script_problem(script):
-        raise click.UsageError(script_problem(script))
+    problem = script_problem(script)
+    if problem:
+        raise click.UsageError(problem)
     oc = {"nonfinite_k": nonfinite_k}
     for k, v in (("scale_floor", scale_floor), ("skip_window", skip_window), ("skip_frac", skip_frac)):
         if v is not None:
