@@ -124,17 +124,40 @@ class _Kernel:
         self.regs = regs.value
         self._arr: dict[int, Any] = {}
 
-    def __call__(self, grid: int, block: int, args: Sequence[Any], stream: torch.cuda.Stream) -> None:
-        vals = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else
-                (a if isinstance(a, (ctypes.Array, ctypes.c_void_p)) else ctypes.c_int(a)) for a in args]
+    def __call__(self, grid: int, block: int, args: Sequence[Any], stream: Any) -> None:
+        """Launch on ``stream`` (a ``torch.cuda.Stream`` or a raw stream handle, see :func:`raw_stream`);
+        ``args``: ints (C ``int``), tensors (their addresses) and ctypes objects, in order."""
+        vals = []
+        for a in args:
+            ta = type(a)
+            if ta is int:
+                vals.append(ctypes.c_int(a))
+            elif issubclass(ta, torch.Tensor):
+                vals.append(ctypes.c_void_p(a.data_ptr()))
+            else:
+                vals.append(a)
         arr_t = self._arr.get(len(vals))
         if arr_t is None:
             arr_t = self._arr[len(vals)] = ctypes.c_void_p * len(vals)
-        arr = arr_t(*[ctypes.addressof(v) for v in vals])
-        err = self.launch(self.func, grid, 1, 1, block, 1, 1, 0, ctypes.c_void_p(stream.cuda_stream),
-                                      arr, None)
+        arr = arr_t(*map(ctypes.addressof, vals))
+        handle = stream if type(stream) is int else stream.cuda_stream
+        err = self.launch(self.func, grid, 1, 1, block, 1, 1, 0, ctypes.c_void_p(handle), arr, None)
         if err:
             raise RuntimeError(f"cuLaunchKernel failed with CUDA error {err}")
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def raw_stream(dev: torch.device) -> int:
+    """The handle of ``dev``'s current stream: ``torch.cuda.current_stream(dev).cuda_stream``, without
+    building the Stream object (a few microseconds a launch)."""
+    if _raw_stream is not None:
+        try:
+            return _raw_stream(dev.index if dev.index is not None else torch.cuda.current_device())
+        except Exception:  # pragma: no cover - another signature in another torch
+            pass
+    return torch.cuda.current_stream(dev).cuda_stream
 
 
 _cache: dict[tuple, _Kernel] = {}
@@ -177,8 +200,8 @@ _Table = ctypes.c_int64 * (6 * MAXT + 1)
 _acc: dict[tuple, torch.Tensor] = {}  # (device, stream, width) -> zeroed accumulators (stage 2 re-zeroes)
 
 
-def _accumulators(dev: torch.device, stream: torch.cuda.Stream, width: int) -> torch.Tensor:
-    key = (dev.index, stream.cuda_stream, width)
+def _accumulators(dev: torch.device, stream: int, width: int) -> torch.Tensor:
+    key = (dev.index, stream, width)
     acc = _acc.get(key)
     if acc is None:
         acc = _acc[key] = torch.zeros((MAXT, width), dtype=torch.int64, device=dev)
@@ -228,38 +251,52 @@ _scratch: dict[int | None, torch.Tensor] = {}
 
 def run(views: Sequence[torch.Tensor], rows: Sequence[int], fmt: Format, out: torch.Tensor,
         numel: Sequence[int] | None = None, ptr: Sequence[int] | None = None,
-        gate: torch.Tensor | None = None) -> None:
+        gate: torch.Tensor | None = None, runs: Sequence[tuple[torch.dtype, int]] | None = None) -> None:
     """Write the rows of ``views`` (contiguous, 16-byte aligned fp16/bf16/fp32 tensors on
     ``out``'s device, grouped by dtype) into ``out[rows]``. Per MAXT tensors: a stage-1 launch per
     dtype and one stage-2 launch, the tensor table passed by value. No host sync, no copy.
-    ``numel``/``ptr``: the views' element counts and addresses, where the caller has them.
+    ``numel``/``ptr``: the views' element counts and addresses, where the caller has them;
+    ``runs``: their dtypes as (dtype, count) runs, in order, where the caller has them.
     ``gate``: an int32 device tensor that stage 2 sets to 1 when a row counts a NaN or an Inf
     (see :func:`run_flags`)."""
     dev = out.device
     if gate is None:
         gate = _scratch_gate(dev)
-    stream = torch.cuda.current_stream(dev)
+    stream = raw_stream(dev)
     acc = _accumulators(dev, stream, hist_width(fmt) + 4)
     k2 = _kernel("stage2", torch.float16, fmt, dev)
     width = out.shape[1]
-    dtypes = [v.dtype for v in views]
     if numel is None:
         numel = [v.numel() for v in views]
     if ptr is None:
         ptr = [v.data_ptr() for v in views]
-    kinds = [KINDS[dt][0] for dt in dtypes]
-    for lo, t in zip(range(0, len(views), MAXT), tables(numel, ptr, rows, kinds)):
-        m = min(MAXT, len(views) - lo)
+    if runs is None:
+        runs = []
+        for v in views:
+            dt = v.dtype
+            if runs and runs[-1][0] == dt:
+                runs[-1] = (dt, runs[-1][1] + 1)
+            else:
+                runs.append((dt, 1))
+    kinds: list[int] = []
+    bounds = []  # (first, end, dtype) of each run
+    pos = 0
+    for dt, c in runs:
+        kinds += [KINDS[dt][0]] * c
+        bounds.append((pos, pos + c, dt))
+        pos += c
+    n = len(kinds)
+    for lo, t in zip(range(0, n, MAXT), tables(numel, ptr, rows, kinds)):
+        hi = min(lo + MAXT, n)
+        m = hi - lo
         table = _Table.from_buffer(t)
-        g0 = 0
-        while g0 < m:
-            g1 = g0 + 1
-            while g1 < m and dtypes[lo + g1] == dtypes[lo + g0]:
-                g1 += 1
+        for first, end, dt in bounds:  # a stage-1 launch per dtype among this table's tensors
+            g0, g1 = max(first, lo) - lo, min(end, hi) - lo
+            if g1 <= g0:
+                continue
             c0, c1 = int(t[2 * MAXT + g0]), int(t[2 * MAXT + g1])
             if c1 > c0:
-                _kernel("stage1", dtypes[lo + g0], fmt, dev)(c1 - c0, NT, (table, m, g0, g1, c0, acc), stream)
-            g0 = g1
+                _kernel("stage1", dt, fmt, dev)(c1 - c0, NT, (table, m, g0, g1, c0, acc), stream)
         k2(m, NT2, (table, m, acc, out, width, gate), stream)
 
 
@@ -306,7 +343,7 @@ def run_flags(numel: Sequence[int], ptr: Sequence[int], kinds: Sequence[int], ga
     same device) is non-zero when the launch runs; if it is zero, nothing is read. One launch per
     FMAXT tensors, the table passed by value. No host sync, no copy."""
     dev = out.device
-    stream = torch.cuda.current_stream(dev)
+    stream = raw_stream(dev)
     k = _flag_kernel(dev)
     n = np.asarray(numel, dtype=np.int64)
     nch = -(-n // FCHUNK)

@@ -196,7 +196,7 @@ class Session:
         self.attributing = self.recording and not self.attribution.done(self._scaled_loss_active)
         self._rows = StepRows(self._row_policy)
         self._row_meta: list[tuple] = self._rows.meta
-        self._flags: list[Any] = []  # device bools, or tuples of row slots (see flag_slots)
+        self._flags: _Flags = _Flags()  # tuples of row slots (see flag_slots), or device bools
         self._flag_meta: list[tuple] = []
         self._calls: dict[int, int] = {}
         self._outer_next = False  # the next backward pass seen is an outermost one (see on_backward)
@@ -265,7 +265,12 @@ class Session:
         slots of the tensors concerned (:meth:`flag_slots`; no kernel, no sync)."""
         if self.closed or flag is None:
             return
-        self._flags.append(flag if isinstance(flag, tuple) else flag.reshape(()))
+        if isinstance(flag, tuple):
+            self._flags.append(flag)
+        else:
+            flag = flag.reshape(())
+            self._flags.append(flag)
+            self._flags.tensors.append(flag)
         self._flag_meta.append((lid, call, phase))
 
     def flag_slots(self, lid: int, phase: str, tensors: list, hold: int = 0) -> tuple | None:
@@ -535,7 +540,8 @@ class Session:
         copy = _HostCopy()
         for b in rows.device_pieces():
             copy.put("block", b)
-        for f in flags:
+        tensors = getattr(flags, "tensors", None)
+        for f in flags if tensors is None else tensors:
             if not isinstance(f, tuple):
                 copy.put("flag", f)
         for _, sc in scalars:
@@ -556,6 +562,8 @@ class Session:
         if flags:
             bad = bad_rows(table, rows.dropped)  # per slot, as rows.nonfinite
             any_bad = any(bad)
+            if not any_bad and getattr(flags, "tensors", None) == []:  # every flag is 0 (most steps)
+                return host_rows, np.zeros(len(flags)), self._host_scalars(take)
             vals = []
             for f in flags:
                 if not isinstance(f, tuple):
@@ -567,6 +575,9 @@ class Session:
             host_flags = np.array(vals)
         else:
             host_flags = np.zeros(0)
+        return host_rows, host_flags, self._host_scalars(take)
+
+    def _host_scalars(self, take: Any) -> list:
         host_scalars = []
         for _, sc in self._pending_scalars:
             vals = []
@@ -576,7 +587,7 @@ class Session:
                 else:
                     vals.append(float(take(key)[0]))
             host_scalars.append(vals)
-        return host_rows, host_flags, host_scalars
+        return host_scalars
 
     @property
     def first_nonfinite(self) -> dict | None:
@@ -657,6 +668,17 @@ class Session:
             self.end_step()
         finally:
             self.config.max_steps, self._oracle = saved
+
+
+class _Flags(list):
+    """A step's first-non-finite flags: tuples of row slots (read off the rows), or device bools;
+    ``tensors``: the device bools among them (none in most steps: no loop over the flags for them)."""
+
+    __slots__ = ("tensors",)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tensors: list[torch.Tensor] = []
 
 
 _DTYPE_NAMES: dict = {}

@@ -238,11 +238,13 @@ def fused_batch_stats(tensors: Sequence[torch.Tensor], fmt: Format, *, _allow_cp
     which = _which(dev) if dev.type == "cuda" else ("triton" if _kernels() is not None else None)
     if which is None:
         return None
-    kinds = _stats_nvrtc.KINDS if which == "nvrtc" else _KINDS
-    gate_all = False
     width = _stats.row_width(fmt)
     n = len(tensors)
     out = torch.empty((n, width), dtype=torch.float64, device=dev)
+    if which == "nvrtc":
+        return _nvrtc_rows(tensors, fmt, out, gate)
+    kinds = _KINDS
+    gate_all = False
     groups: dict[torch.dtype, list[int]] = {}
     other: list[int] = []
     views: list[torch.Tensor | None] = [None] * n
@@ -265,12 +267,7 @@ def fused_batch_stats(tensors: Sequence[torch.Tensor], fmt: Format, *, _allow_cp
             groups[dt] = [i]
         else:
             g.append(i)
-    if groups and which == "nvrtc":
-        order = [i for g in groups.values() for i in g]
-        _stats_nvrtc.run([views[i] for i in order], order, fmt, out, [numel[i] for i in order], [ptr[i] for i in order],
-                         gate)
-        groups = {}
-    elif groups and gate is not None:
+    if groups and gate is not None:
         gate_all = True  # the Triton kernels do not set it: from all rows at the end
     kern = _kernels() if groups else None
     if groups:
@@ -317,6 +314,53 @@ def fused_batch_stats(tensors: Sequence[torch.Tensor], fmt: Format, *, _allow_cp
     for i in other:
         out[i] = _stats.tensor_stats(tensors[i], fmt)
     if gate is not None and (other or gate_all):
+        _or_gate(gate, out)
+    return out
+
+
+def _nvrtc_rows(tensors: Sequence[torch.Tensor], fmt: Format, out: torch.Tensor,
+                gate: torch.Tensor | None) -> torch.Tensor:
+    """:func:`fused_batch_stats` through the NVRTC kernels: ``out``'s rows, tensors grouped by dtype
+    (one stage-1 launch per dtype and table), in one pass over them."""
+    kinds = _stats_nvrtc.KINDS
+    groups: dict[torch.dtype, tuple[list, list, list, list]] = {}  # dtype -> (views, numel, ptr, rows)
+    other: list[int] = []
+    for i, t in enumerate(tensors):  # the hot loop of a flush: a few attribute reads a tensor
+        dt = t.dtype
+        g = groups.get(dt)
+        if g is None:
+            if dt not in kinds:
+                other.append(i)
+                continue
+            g = groups[dt] = ([], [], [], [])
+        k = t.numel()
+        if k > _MAX_NUMEL:
+            other.append(i)
+            continue
+        a = t.data_ptr()
+        if a % 16 or not t.is_contiguous():
+            t, a = _aligned_copy(t, k)
+        g[0].append(t)
+        g[1].append(k)
+        g[2].append(a)
+        g[3].append(i)
+    if len(groups) == 1:
+        (dt, (views, numel, ptr, rows)), = groups.items()
+        if views:
+            _stats_nvrtc.run(views, rows, fmt, out, numel, ptr, gate, [(dt, len(views))])
+    elif groups:
+        views, numel, ptr, rows, runs = [], [], [], [], []
+        for dt, g in groups.items():
+            views += g[0]
+            numel += g[1]
+            ptr += g[2]
+            rows += g[3]
+            runs.append((dt, len(g[0])))
+        if views:
+            _stats_nvrtc.run(views, rows, fmt, out, numel, ptr, gate, [r for r in runs if r[1]])
+    for i in other:
+        out[i] = _stats.tensor_stats(tensors[i], fmt)
+    if gate is not None and other:
         _or_gate(gate, out)
     return out
 

@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections import OrderedDict
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from .naming import WRAPPED_NOTE
 from .rows import HOLD_CALL, HOLD_PASS
-from .session import Session, _dtype_name, get_session
+from .session import _DTYPE_NAMES, Session, _dtype_name, get_session
 from .tensors import _MAX_TENSORS, floating, iter_tensors
 
 log = logging.getLogger(__name__)
@@ -134,9 +136,17 @@ class _GradWork(list):
     a single ``register_hook``: entries ``(True, lid, phase, call)`` (a gin/gout non-finite flag) and
     ``(False, lid, slot, call)`` (a gradient statistics row). Consecutive requests on a tensor share
     its last hook; a hook registered by anyone else in between starts a new one, so the order of all
-    hooks on the tensor stays the order of registration."""
+    hooks on the tensor stays the order of registration. ``rows``: whether an entry is a row (the
+    gradient then gets a full row, not a flag-only slot)."""
 
-    __slots__ = ("watch",)
+    __slots__ = ("watch", "rows")
+
+    def add(self, entries: tuple) -> None:
+        self.extend(entries)
+        if not self.rows:
+            for e in entries:
+                if not e[0]:
+                    self.rows = True
 
     def __call__(self, grad: torch.Tensor) -> None:
         w = self.watch
@@ -149,23 +159,43 @@ class _GradWork(list):
             rows = s._rows
             n = grad.numel()
             slot = -1  # one slot for every entry: the same tensor, unchanged within this call
+            flags = s._flags
+            flag_meta = s._flag_meta
             for is_flag, lid, name, call in self:
                 if is_flag:  # Session.add_flag(.., flag_slots(..)), inline (hundreds a step)
                     if not n or not s.attributing:
                         continue
                     if slot < 0:  # a flag-only slot unless a row of it is asked for too
-                        only = self[-1][0] and (len(self) == 1 or all(e[0] for e in self))
-                        slot = rows.slot_of(grad, ((lid, "flag", name), 0), None, only, HOLD_PASS)
-                    s._flags.append((slot,))
-                    s._flag_meta.append((lid, call, name))
+                        slot = rows.slot_of(grad, ((lid, "flag", name), 0), None, not self.rows, HOLD_PASS)
+                    flags.append((slot,))
+                    flag_meta.append((lid, call, name))
                 else:  # Session.add_stats, inline
                     nbytes = n * grad.element_size()
                     if slot < 0:
                         slot = rows.slot_of(grad, (lid, "gradient", name), nbytes)
-                    rows.meta.append((lid, "gradient", name, call, _dtype_name(grad.dtype), n, nbytes))
+                    dt = grad.dtype
+                    rows.meta.append((lid, "gradient", name, call, _DTYPE_NAMES.get(dt) or _dtype_name(dt), n, nbytes))
                     rows.slots.append(slot)
         except Exception as e:  # never break the user's backward because of a statistic
             s.note_layer(self[0][1], f"could not record a gradient: {type(e).__name__}: {e}")
+
+
+def _new_hook(t: torch.Tensor, hook: Any) -> None:
+    """``t.register_hook(hook)`` for a plain tensor that requires grad, without the handle (the
+    hook is never removed on its own: it goes with the tensor): the same dictionary entry, at the
+    same place, with an id taken from the same counter. Another torch: ``register_hook``."""
+    try:
+        hooks = t._backward_hooks
+        if hooks is None:
+            t._backward_hooks = hooks = OrderedDict()
+            fn = t.grad_fn
+            if fn is not None:
+                fn._register_hook_dict(t)
+        key = RemovableHandle.next_id
+        RemovableHandle.next_id = key + 1
+        hooks[key] = hook
+    except AttributeError:  # pragma: no cover - a torch without these internals
+        t.register_hook(hook)
 
 
 def _nonfinite_flag(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -183,6 +213,7 @@ class Watch:
         self.session = session
         self._handles: list[Any] = []
         self._params: list[tuple[int, str, nn.Parameter | None]] = []
+        self._missing = 0  # entries of _params whose module holds None now (see _sync_params)
         self._owners: list[tuple[dict, str]] = []  # (module._parameters, name) of each entry of _params
         self._removed = False
         self._fp32 = None
@@ -291,11 +322,18 @@ class Watch:
         if hooks:
             last = hooks[next(reversed(hooks))]
             if last.__class__ is _GradWork and last.watch is self:
-                last.extend(entries)
+                last.add(entries)
                 return
         work = _GradWork(entries)
         work.watch = self
-        t.register_hook(work)
+        work.rows = False
+        for e in entries:
+            if not e[0]:
+                work.rows = True
+        if type(t) is _Tensor:
+            _new_hook(t, work)
+        else:
+            t.register_hook(work)
 
     def _in_flag(self, lid: int, key: tuple, args: Any, call: int, post: bool = False) -> tuple | None:
         """The slots of this call's floating inputs (their NaN/Inf flag), and an input-gradient
@@ -439,34 +477,58 @@ class Watch:
                 for t, v in vstack.pop():
                     if t._version != v:
                         self._mutators.add(lid)
+            rows = s._rows
             in_flag = None
             if s.attributing:  # the input flags: from the pre-hook, or here once it is gone
-                in_flag = in_flag_of(lid, in_key, args, call, True) if own_in[0] else stack.pop() if stack else None
-                if in_flag is not None:  # held (since the pre-hook, or as a container's output): the
-                    s._rows.release(in_flag)  # outputs come next, with no flush before them
+                if not own_in[0]:
+                    in_flag = stack.pop() if stack else None
+                elif type(args) is tuple and len(args) == 1 and type(args[0]) is _Tensor:
+                    t = args[0]  # the common case of _in_flag(.., post=True), inline
+                    if t.dtype.is_floating_point and t.layout == _strided and not t.is_meta:
+                        try:
+                            if t.numel():
+                                hit = rows._seen.get(id(t))  # StepRows.slot_of's hit, inline
+                                if hit is not None and hit[1] == t._version and hit[0]() is t:
+                                    in_flag = (hit[2],)
+                                else:
+                                    changed = rows.changed
+                                    in_flag = (rows.slot_of(t, in_key, None, True, 0),)
+                                    if rows.changed != changed:
+                                        self._restore.add(lid)
+                            if t.requires_grad:
+                                grad_work(t, ((True, lid, "gin", call),))
+                        except Exception as e:  # pragma: no cover - as Session.flag_slots
+                            s.note_layer(lid, f"could not check in for NaN/Inf: {type(e).__name__}: {e}")
+                else:
+                    in_flag = in_flag_of(lid, in_key, args, call, True)
+                if in_flag is not None and rows._open:  # held (since the pre-hook, or as a container's
+                    rows.release(in_flag)  # output): the outputs come next, with no flush before them
             if type(out) is _Tensor and out.dtype.is_floating_point and out.layout == _strided and not out.is_meta:
                 # the common case, one floating tensor: the same work as below, inline, and one hook
                 # request for both gradient entries
                 try:
-                    rows = s._rows
                     n = out.numel()
+                    nbytes = n * out.element_size()
                     slot = -1
                     gout = None
                     if s.attributing:
+                        flags = s._flags
+                        flag_meta = s._flag_meta
                         if in_flag is not None:
-                            s._flags.append(in_flag)
-                            s._flag_meta.append((lid, call, "in"))
+                            flags.append(in_flag)
+                            flag_meta.append((lid, call, "in"))
                         if n:
-                            slot = rows.slot_of(out, out_key, None, not record_stats, 0 if record_stats else HOLD_CALL)
-                            s._flags.append((slot,))
-                            s._flag_meta.append((lid, call, "out"))
+                            slot = (rows.slot_of(out, out_key, nbytes) if record_stats else
+                                    rows.slot_of(out, out_key, None, True, HOLD_CALL))
+                            flags.append((slot,))
+                            flag_meta.append((lid, call, "out"))
                         if out.requires_grad:
                             gout = (True, lid, "gout", call)
                     if record_stats:
-                        nbytes = n * out.element_size()
                         if slot < 0:
                             slot = rows.slot_of(out, act_key, nbytes)
-                        rows.meta.append((lid, "activation", "out", call, _dtype_name(out.dtype), n, nbytes))
+                        dt = out.dtype
+                        rows.meta.append((lid, "activation", "out", call, _DTYPE_NAMES.get(dt) or _dtype_name(dt), n, nbytes))
                         rows.slots.append(slot)
                         if out.requires_grad:
                             grad_work(out, ((False, lid, "out", call),) if gout is None else (gout, (False, lid, "out", call)))
@@ -558,6 +620,7 @@ class Watch:
         for i, (d, name) in enumerate(self._owners):
             p = d.get(name)
             if p is not ps[i][2]:
+                self._missing += (p is None) - (ps[i][2] is None)
                 ps[i] = (ps[i][0], name, p)
                 self._grads_seen[i] = None
 
@@ -590,8 +653,7 @@ class Watch:
         if not self._removed:
             self._sync_params()
             ps = self._params
-            self.session.add_param_rows("weight", ps if all(e[2] is not None for e in ps) else
-                                        [e for e in ps if e[2] is not None])
+            self.session.add_param_rows("weight", [e for e in ps if e[2] is not None] if self._missing else ps)
 
     def _force(self, names: list[str]) -> None:
         from .precision import force_fp32

@@ -36,7 +36,7 @@ def main() -> None:
     for i in range(60):  # fp16 H=768 and FFN activations, fp32 LayerNorm outputs
         shape = (32 * 128, 3072 if i % 4 == 2 else 768)
         ts.append(torch.randn(shape, device=dev) if i % 4 == 3 else torch.randn(shape, device=dev).half())
-    stream = torch.cuda.current_stream(dev)
+    stream = _stats_nvrtc.raw_stream(dev)
     k2 = _stats_nvrtc._kernel("stage2", torch.float16, fmt, dev)
     acc = _stats_nvrtc._accumulators(dev, stream, _stats_nvrtc.hist_width(fmt) + 4)
     out = torch.empty((60, 80), dtype=torch.float64, device=dev)
@@ -52,6 +52,7 @@ def main() -> None:
         "dtype/numel/data_ptr/is_contiguous of 60 tensors": lambda: [
             (t.dtype, t.numel(), t.data_ptr(), t.is_contiguous()) for t in ts],
         "torch.cuda.current_stream": lambda: torch.cuda.current_stream(dev),
+        "_stats_nvrtc.raw_stream (its handle)": lambda: _stats_nvrtc.raw_stream(dev),
         "torch.empty (the rows)": lambda: torch.empty((60, 80), dtype=torch.float64, device=dev),
         "rows._allocated (raw allocator counters)": lambda: rows._allocated(dev),
         "torch.cuda.memory_allocated": lambda: torch.cuda.memory_allocated(dev),
