@@ -134,8 +134,10 @@ class _Kernel:
                 vals.append(ctypes.c_int(a))
             elif issubclass(ta, torch.Tensor):
                 vals.append(ctypes.c_void_p(a.data_ptr()))
-            else:
+            elif isinstance(a, (ctypes.Array, ctypes.c_void_p)):
                 vals.append(a)
+            else:  # another integer type (numpy's, a bool)
+                vals.append(ctypes.c_int(int(a)))
         arr_t = self._arr.get(len(vals))
         if arr_t is None:
             arr_t = self._arr[len(vals)] = ctypes.c_void_p * len(vals)
