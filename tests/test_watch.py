@@ -805,3 +805,30 @@ def test_a_model_on_the_meta_device_is_noted_not_an_internal_error(tmp_path):
     notes = [e["detail"]["message"] for e in r.events("note")]
     assert not any("internal error" in n for n in notes), notes
     assert any("meta device" in n for n in notes), notes
+
+
+def test_tensor_hooks_registered_without_a_handle_keep_torch_order_and_ids():
+    """The watch registers its gradient hooks the way Tensor.register_hook does, without the
+    handle object: hooks before and after it run in registration order (on a leaf and on a non-leaf
+    tensor), and a handle taken after it removes only its own hook."""
+    from ampdoctor.watch import _new_hook
+    for leaf in (False, True):
+        x = torch.ones(3, requires_grad=True)
+        t = x if leaf else x * 2
+        seen = []
+        h1 = t.register_hook(lambda g, seen=seen: seen.append("user-1"))
+        _new_hook(t, lambda g, seen=seen: seen.append("ours"))
+        h2 = t.register_hook(lambda g, seen=seen: seen.append("user-2"))
+        assert len(t._backward_hooks) == 3  # no id taken twice
+        t.sum().backward(retain_graph=True)
+        assert seen == ["user-1", "ours", "user-2"], leaf
+        h1.remove()
+        h2.remove()
+        seen.clear()
+        t.sum().backward()
+        assert seen == ["ours"], leaf
+    t = torch.ones(3, requires_grad=True) * 3  # no hook yet: the dictionary is made here
+    got = []
+    _new_hook(t, lambda g: got.append(g.clone()))
+    t.sum().backward()
+    assert len(got) == 1 and torch.equal(got[0], torch.ones(3))
