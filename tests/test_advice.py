@@ -256,6 +256,8 @@ def test_overflow_fixture_advice_names_the_culprit(tmp_path):
     text = "\n".join(rep.advice)
     assert "`ampdoctor.keep_fp32(model.net[2])`" in text
     assert "65504" in text  # the recorded numbers are quoted
+    # net.2's output holds Inf: said so, with the largest finite value, not as "-inf bits" of headroom
+    assert "its output overflowed to Inf (fp16 max 65504; largest finite abs-max" in text and "-inf bits" not in text
     assert (out / "report.html").exists()
 
 
