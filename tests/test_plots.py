@@ -106,3 +106,17 @@ def test_many_layers_and_steps_are_bounded(report):
     assert img.shape[:2] == (plots.MAX_ROWS, plots.MAX_COLS)
     assert g is not None
     plots.to_png(fig)
+
+
+def test_histogram_of_a_tensor_holding_inf_counts_it(report):
+    """A row with Inf values has no finite headroom: its histogram says how many Inf it held
+    beside the finite abs-max, never "-inf bits"."""
+    import dataclasses
+    import math
+    row = report.rows("activation")[0]
+    texts = lambda fig: " ".join(t.get_text() for ax in fig.axes for t in ax.texts)  # noqa: E731
+    inf_row = dataclasses.replace(row, inf=7, headroom_bits=-math.inf)
+    got = texts(plots.layer_histogram(inf_row, report.fmt))
+    assert "7 Inf (abs-max of the finite values)" in got and "-inf bits" not in got
+    fine = dataclasses.replace(row, inf=0, headroom_bits=2.5)
+    assert "headroom +2.5 bits" in texts(plots.layer_histogram(fine, report.fmt))
