@@ -124,26 +124,15 @@ class _Kernel:
         self.regs = regs.value
         self._arr: dict[int, Any] = {}
 
-    def __call__(self, grid: int, block: int, args: Sequence[Any], stream: Any) -> None:
-        """Launch on ``stream`` (a ``torch.cuda.Stream`` or a raw stream handle, see :func:`raw_stream`);
-        ``args``: ints (C ``int``), tensors (their addresses) and ctypes objects, in order."""
-        vals = []
-        for a in args:
-            ta = type(a)
-            if ta is int:
-                vals.append(ctypes.c_int(a))
-            elif issubclass(ta, torch.Tensor):
-                vals.append(ctypes.c_void_p(a.data_ptr()))
-            elif isinstance(a, (ctypes.Array, ctypes.c_void_p)):
-                vals.append(a)
-            else:  # another integer type (numpy's, a bool)
-                vals.append(ctypes.c_int(int(a)))
+    def __call__(self, grid: int, block: int, args: Sequence[Any], stream: int) -> None:
+        """Launch on the stream whose handle is ``stream`` (see :func:`raw_stream`)."""
+        vals = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else
+                (a if isinstance(a, (ctypes.Array, ctypes.c_void_p)) else ctypes.c_int(a)) for a in args]
         arr_t = self._arr.get(len(vals))
         if arr_t is None:
             arr_t = self._arr[len(vals)] = ctypes.c_void_p * len(vals)
-        arr = arr_t(*map(ctypes.addressof, vals))
-        handle = stream if type(stream) is int else stream.cuda_stream
-        err = self.launch(self.func, grid, 1, 1, block, 1, 1, 0, ctypes.c_void_p(handle), arr, None)
+        arr = arr_t(*[ctypes.addressof(v) for v in vals])
+        err = self.launch(self.func, grid, 1, 1, block, 1, 1, 0, ctypes.c_void_p(stream), arr, None)
         if err:
             raise RuntimeError(f"cuLaunchKernel failed with CUDA error {err}")
 
@@ -252,13 +241,13 @@ _scratch: dict[int | None, torch.Tensor] = {}
 
 
 def run(views: Sequence[torch.Tensor], rows: Sequence[int], fmt: Format, out: torch.Tensor,
-        numel: Sequence[int] | None = None, ptr: Sequence[int] | None = None,
-        gate: torch.Tensor | None = None, runs: Sequence[tuple[torch.dtype, int]] | None = None) -> None:
+        numel: Sequence[int], ptr: Sequence[int], gate: torch.Tensor | None,
+        runs: Sequence[tuple[torch.dtype, int]]) -> None:
     """Write the rows of ``views`` (contiguous, 16-byte aligned fp16/bf16/fp32 tensors on
     ``out``'s device, grouped by dtype) into ``out[rows]``. Per MAXT tensors: a stage-1 launch per
     dtype and one stage-2 launch, the tensor table passed by value. No host sync, no copy.
-    ``numel``/``ptr``: the views' element counts and addresses, where the caller has them;
-    ``runs``: their dtypes as (dtype, count) runs, in order, where the caller has them.
+    ``numel``/``ptr``: the views' element counts and addresses; ``runs``: their dtypes as
+    (dtype, count) runs, in order (the views are kept alive until the launches are queued).
     ``gate``: an int32 device tensor that stage 2 sets to 1 when a row counts a NaN or an Inf
     (see :func:`run_flags`)."""
     dev = out.device
@@ -268,18 +257,6 @@ def run(views: Sequence[torch.Tensor], rows: Sequence[int], fmt: Format, out: to
     acc = _accumulators(dev, stream, hist_width(fmt) + 4)
     k2 = _kernel("stage2", torch.float16, fmt, dev)
     width = out.shape[1]
-    if numel is None:
-        numel = [v.numel() for v in views]
-    if ptr is None:
-        ptr = [v.data_ptr() for v in views]
-    if runs is None:
-        runs = []
-        for v in views:
-            dt = v.dtype
-            if runs and runs[-1][0] == dt:
-                runs[-1] = (dt, runs[-1][1] + 1)
-            else:
-                runs.append((dt, 1))
     kinds: list[int] = []
     bounds = []  # (first, end, dtype) of each run
     pos = 0

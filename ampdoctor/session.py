@@ -196,7 +196,7 @@ class Session:
         self.attributing = self.recording and not self.attribution.done(self._scaled_loss_active)
         self._rows = StepRows(self._row_policy)
         self._row_meta: list[tuple] = self._rows.meta
-        self._flags: _Flags = _Flags()  # tuples of row slots (see flag_slots), or device bools
+        self._flags: list[tuple] = []  # per flag, the row slots of the tensors concerned (see flag_slots)
         self._flag_meta: list[tuple] = []
         self._calls: dict[int, int] = {}
         self._outer_next = False  # the next backward pass seen is an outermost one (see on_backward)
@@ -260,17 +260,12 @@ class Session:
         except Exception as e:  # pragma: no cover - never break the user's training for a statistic
             log.warning("ampdoctor: could not record %d %s rows: %s: %s", len(ts), kind, type(e).__name__, e)
 
-    def add_flag(self, lid: int, call: int, phase: str, flag: Any) -> None:
-        """Did this module's inputs/outputs/gradients hold NaN/Inf: a device bool, or the row
-        slots of the tensors concerned (:meth:`flag_slots`; no kernel, no sync)."""
+    def add_flag(self, lid: int, call: int, phase: str, flag: tuple | None) -> None:
+        """Did this module's inputs/outputs/gradients hold NaN/Inf: the row slots of the tensors
+        concerned (:meth:`flag_slots`; no kernel, no sync), read off their rows on the host."""
         if self.closed or flag is None:
             return
-        if isinstance(flag, tuple):
-            self._flags.append(flag)
-        else:
-            flag = flag.reshape(())
-            self._flags.append(flag)
-            self._flags.tensors.append(flag)
+        self._flags.append(flag)
         self._flag_meta.append((lid, call, phase))
 
     def flag_slots(self, lid: int, phase: str, tensors: list, hold: int = 0) -> tuple | None:
@@ -489,7 +484,7 @@ class Session:
         long arrived, so neither the step boundary nor the host work waits for the GPU. With an
         oracle (``ampdoctor run``/``bisect`` trials) every step is decided at once."""
         prev, self._deferred = self._deferred, []
-        copy = self._start_copy(rows, flags, self._pending_scalars)
+        copy = self._start_copy(rows, self._pending_scalars)
         job = (copy, rows, row_meta, flags, flag_meta, recorded, self._pending_scalars)
         self._pending_scalars = []
         first = None
@@ -535,15 +530,11 @@ class Session:
         finally:
             self._mid_step = False
 
-    def _start_copy(self, rows: StepRows, flags: list, scalars: list) -> _HostCopy:
+    def _start_copy(self, rows: StepRows, scalars: list) -> _HostCopy:
         """Start the step's single device-to-host transfer (one per device; no sync)."""
         copy = _HostCopy()
         for b in rows.device_pieces():
             copy.put("block", b)
-        tensors = getattr(flags, "tensors", None)
-        for f in flags if tensors is None else tensors:
-            if not isinstance(f, tuple):
-                copy.put("flag", f)
         for _, sc in scalars:
             for key in ("loss", "scale", "skipped"):
                 if sc[key] is not None:
@@ -555,29 +546,15 @@ class Session:
         """Everything the step produced, from its one transfer per device (the only host sync;
         already arrived when the read was deferred)."""
         width = _stats.row_width(self.fmt)
-        copy = self._prefetched or self._start_copy(rows, flags, self._pending_scalars)
+        copy = self._prefetched or self._start_copy(rows, self._pending_scalars)
         take = copy.reader()
         table = rows.host_table([take("block") for _ in range(len(rows.blocks) + len(rows.fblocks))], width)
         host_rows = table[rows.slots] if rows.slots else np.zeros((0, width))
+        host_flags = np.zeros(len(flags))
         if flags:
             bad = bad_rows(table, rows.dropped)  # per slot, as rows.nonfinite
-            any_bad = any(bad)
-            if not any_bad and getattr(flags, "tensors", None) == []:  # every flag is 0 (most steps)
-                return host_rows, np.zeros(len(flags)), self._host_scalars(take)
-            vals = []
-            for f in flags:
-                if not isinstance(f, tuple):
-                    vals.append(take("flag")[0])
-                elif not any_bad:
-                    vals.append(0.0)
-                else:
-                    vals.append(float(any(bad[s] for s in f)))
-            host_flags = np.array(vals)
-        else:
-            host_flags = np.zeros(0)
-        return host_rows, host_flags, self._host_scalars(take)
-
-    def _host_scalars(self, take: Any) -> list:
+            if any(bad):  # else every flag is 0 (most steps)
+                host_flags = np.array([float(any(bad[s] for s in f)) for f in flags])
         host_scalars = []
         for _, sc in self._pending_scalars:
             vals = []
@@ -587,7 +564,7 @@ class Session:
                 else:
                     vals.append(float(take(key)[0]))
             host_scalars.append(vals)
-        return host_scalars
+        return host_rows, host_flags, host_scalars
 
     @property
     def first_nonfinite(self) -> dict | None:
@@ -668,17 +645,6 @@ class Session:
             self.end_step()
         finally:
             self.config.max_steps, self._oracle = saved
-
-
-class _Flags(list):
-    """A step's first-non-finite flags: tuples of row slots (read off the rows), or device bools;
-    ``tensors``: the device bools among them (none in most steps: no loop over the flags for them)."""
-
-    __slots__ = ("tensors",)
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tensors: list[torch.Tensor] = []
 
 
 _DTYPE_NAMES: dict = {}

@@ -344,20 +344,16 @@ def _nvrtc_rows(tensors: Sequence[torch.Tensor], fmt: Format, out: torch.Tensor,
         g[1].append(k)
         g[2].append(a)
         g[3].append(i)
-    if len(groups) == 1:
-        (dt, (views, numel, ptr, rows)), = groups.items()
-        if views:
-            _stats_nvrtc.run(views, rows, fmt, out, numel, ptr, gate, [(dt, len(views))])
-    elif groups:
-        views, numel, ptr, rows, runs = [], [], [], [], []
-        for dt, g in groups.items():
+    views, numel, ptr, rows, runs = [], [], [], [], []
+    for dt, g in groups.items():
+        if g[0]:
             views += g[0]
             numel += g[1]
             ptr += g[2]
             rows += g[3]
             runs.append((dt, len(g[0])))
-        if views:
-            _stats_nvrtc.run(views, rows, fmt, out, numel, ptr, gate, [r for r in runs if r[1]])
+    if views:
+        _stats_nvrtc.run(views, rows, fmt, out, numel, ptr, gate, runs)
     for i in other:
         out[i] = _stats.tensor_stats(tensors[i], fmt)
     if gate is not None and other:

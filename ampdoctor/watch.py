@@ -20,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .naming import WRAPPED_NOTE
 from .rows import HOLD_CALL, HOLD_PASS
-from .session import _DTYPE_NAMES, Session, _dtype_name, get_session
+from .session import Session, _dtype_name, get_session
 from .tensors import _MAX_TENSORS, floating, iter_tensors
 
 log = logging.getLogger(__name__)
@@ -173,8 +173,7 @@ class _GradWork(list):
                     nbytes = n * grad.element_size()
                     if slot < 0:
                         slot = rows.slot_of(grad, (lid, "gradient", name), nbytes)
-                    dt = grad.dtype
-                    rows.meta.append((lid, "gradient", name, call, _DTYPE_NAMES.get(dt) or _dtype_name(dt), n, nbytes))
+                    rows.meta.append((lid, "gradient", name, call, _dtype_name(grad.dtype), n, nbytes))
                     rows.slots.append(slot)
         except Exception as e:  # never break the user's backward because of a statistic
             s.note_layer(self[0][1], f"could not record a gradient: {type(e).__name__}: {e}")
@@ -213,7 +212,6 @@ class Watch:
         self.session = session
         self._handles: list[Any] = []
         self._params: list[tuple[int, str, nn.Parameter | None]] = []
-        self._missing = 0  # entries of _params whose module holds None now (see _sync_params)
         self._owners: list[tuple[dict, str]] = []  # (module._parameters, name) of each entry of _params
         self._removed = False
         self._fp32 = None
@@ -324,12 +322,10 @@ class Watch:
             if last.__class__ is _GradWork and last.watch is self:
                 last.add(entries)
                 return
-        work = _GradWork(entries)
+        work = _GradWork()
         work.watch = self
         work.rows = False
-        for e in entries:
-            if not e[0]:
-                work.rows = True
+        work.add(entries)
         if type(t) is _Tensor:
             _new_hook(t, work)
         else:
@@ -480,55 +476,31 @@ class Watch:
             rows = s._rows
             in_flag = None
             if s.attributing:  # the input flags: from the pre-hook, or here once it is gone
-                if not own_in[0]:
-                    in_flag = stack.pop() if stack else None
-                elif type(args) is tuple and len(args) == 1 and type(args[0]) is _Tensor:
-                    t = args[0]  # the common case of _in_flag(.., post=True), inline
-                    if t.dtype.is_floating_point and t.layout == _strided and not t.is_meta:
-                        try:
-                            if t.numel():
-                                hit = rows._seen.get(id(t))  # StepRows.slot_of's hit, inline
-                                if hit is not None and hit[1] == t._version and hit[0]() is t:
-                                    in_flag = (hit[2],)
-                                else:
-                                    changed = rows.changed
-                                    in_flag = (rows.slot_of(t, in_key, None, True, 0),)
-                                    if rows.changed != changed:
-                                        self._restore.add(lid)
-                            if t.requires_grad:
-                                grad_work(t, ((True, lid, "gin", call),))
-                        except Exception as e:  # pragma: no cover - as Session.flag_slots
-                            s.note_layer(lid, f"could not check in for NaN/Inf: {type(e).__name__}: {e}")
-                else:
-                    in_flag = in_flag_of(lid, in_key, args, call, True)
-                if in_flag is not None and rows._open:  # held (since the pre-hook, or as a container's
-                    rows.release(in_flag)  # output): the outputs come next, with no flush before them
+                in_flag = in_flag_of(lid, in_key, args, call, True) if own_in[0] else stack.pop() if stack else None
+                if in_flag is not None:  # held (since the pre-hook, or as a container's output): the
+                    rows.release(in_flag)  # outputs come next, with no flush before them
             if type(out) is _Tensor and out.dtype.is_floating_point and out.layout == _strided and not out.is_meta:
                 # the common case, one floating tensor: the same work as below, inline, and one hook
                 # request for both gradient entries
                 try:
                     n = out.numel()
-                    nbytes = n * out.element_size()
                     slot = -1
                     gout = None
                     if s.attributing:
-                        flags = s._flags
-                        flag_meta = s._flag_meta
                         if in_flag is not None:
-                            flags.append(in_flag)
-                            flag_meta.append((lid, call, "in"))
+                            s._flags.append(in_flag)
+                            s._flag_meta.append((lid, call, "in"))
                         if n:
-                            slot = (rows.slot_of(out, out_key, nbytes) if record_stats else
-                                    rows.slot_of(out, out_key, None, True, HOLD_CALL))
-                            flags.append((slot,))
-                            flag_meta.append((lid, call, "out"))
+                            slot = rows.slot_of(out, out_key, None, not record_stats, 0 if record_stats else HOLD_CALL)
+                            s._flags.append((slot,))
+                            s._flag_meta.append((lid, call, "out"))
                         if out.requires_grad:
                             gout = (True, lid, "gout", call)
                     if record_stats:
+                        nbytes = n * out.element_size()
                         if slot < 0:
                             slot = rows.slot_of(out, act_key, nbytes)
-                        dt = out.dtype
-                        rows.meta.append((lid, "activation", "out", call, _DTYPE_NAMES.get(dt) or _dtype_name(dt), n, nbytes))
+                        rows.meta.append((lid, "activation", "out", call, _dtype_name(out.dtype), n, nbytes))
                         rows.slots.append(slot)
                         if out.requires_grad:
                             grad_work(out, ((False, lid, "out", call),) if gout is None else (gout, (False, lid, "out", call)))
@@ -620,7 +592,6 @@ class Watch:
         for i, (d, name) in enumerate(self._owners):
             p = d.get(name)
             if p is not ps[i][2]:
-                self._missing += (p is None) - (ps[i][2] is None)
                 ps[i] = (ps[i][0], name, p)
                 self._grads_seen[i] = None
 
@@ -653,7 +624,8 @@ class Watch:
         if not self._removed:
             self._sync_params()
             ps = self._params
-            self.session.add_param_rows("weight", [e for e in ps if e[2] is not None] if self._missing else ps)
+            self.session.add_param_rows("weight", ps if all(e[2] is not None for e in ps) else
+                                        [e for e in ps if e[2] is not None])
 
     def _force(self, names: list[str]) -> None:
         from .precision import force_fp32
