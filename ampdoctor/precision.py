@@ -20,6 +20,13 @@ How it works (and why this way): two hooks per module, nothing written onto the 
   of the model sees what it saw before. ``always_call`` makes it run even when ``forward``
   raises, so autocast is never left disabled.
 
+While a forced module's forward runs, an autocast that code inside it enters stays off: a
+wrapper that enters autocast *inside* ``forward`` (accelerate, hence HF ``Trainer(fp16=True)``,
+replaces ``model.forward`` with one wrapped in ``torch.autocast``) would otherwise turn it back on
+after the pre-hook turned it off. This is done by wrapping ``torch.autocast.__enter__`` while any
+handle is active (the original is put back when the last one is removed); outside forced modules
+the wrapper only calls the original.
+
 The autocast state to restore lives on a per-thread stack in the handle, so a module that
 is called several times per step, re-entered, or nested inside another forced module
 pairs its enter and exit correctly. :meth:`Fp32Handle.remove` removes both hooks and puts
@@ -150,6 +157,79 @@ def _to_fp32(t: torch.Tensor) -> torch.Tensor:
     return t.float() if t.dtype in _LOW_PRECISION else t
 
 
+class _Fp32Region:
+    """Forced module calls in progress on each thread, and the wrapper of ``autocast.__enter__``
+    that keeps autocast off inside them, installed while any :class:`Fp32Handle` is active."""
+
+    local = threading.local()
+    lock = threading.Lock()
+    handles = 0
+    original: Any = None
+
+    @classmethod
+    def depth(cls) -> int:
+        return getattr(cls.local, "depth", 0)
+
+    @classmethod
+    def enter(cls) -> None:
+        cls.local.depth = cls.depth() + 1
+
+    @classmethod
+    def exit(cls) -> None:
+        cls.local.depth = max(0, cls.depth() - 1)
+
+    @classmethod
+    def add_handle(cls) -> None:
+        with cls.lock:
+            cls.handles += 1
+            if cls.handles == 1:
+                ac = torch.amp.autocast_mode.autocast
+                cls.original = original = ac.__enter__
+
+                def __enter__(self: Any) -> Any:
+                    if self._enabled and cls.depth():  # entered inside a forced module: stays off
+                        self._enabled = False
+                        try:
+                            return original(self)
+                        finally:
+                            self._enabled = True  # (a decorator's instance is entered again later)
+                    return original(self)
+
+                __enter__.__wrapped__ = original  # type: ignore[attr-defined]
+                ac.__enter__ = __enter__
+
+    @classmethod
+    def drop_handle(cls) -> None:
+        with cls.lock:
+            cls.handles -= 1
+            if cls.handles == 0 and cls.original is not None:
+                torch.amp.autocast_mode.autocast.__enter__ = cls.original
+                cls.original = None
+
+
+class _Guard:
+    """One handle's share of the autocast wrapper: given back by ``remove()``, or when the handle
+    is garbage collected (a model copy that still forces a module holds a handle of its own)."""
+
+    __slots__ = ("held", "__weakref__")
+
+    def __init__(self, hold: bool = True) -> None:
+        self.held = hold
+        if hold:
+            _Fp32Region.add_handle()
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            _Fp32Region.drop_handle()
+
+    @classmethod
+    def of(cls, handle: Any, hold: bool = True) -> _Guard:
+        guard = cls(hold)
+        weakref.finalize(handle, guard.release)
+        return guard
+
+
 class Fp32Handle:
     """Keeps one module in FP32 until :meth:`remove` (or the end of a ``with`` block)."""
 
@@ -175,6 +255,7 @@ class Fp32Handle:
             self._pre.remove()
             self._restore_params()
             raise
+        self._guard = _Guard.of(self)
         logger.debug("keep_fp32: %s forced to fp32", self._name)
 
     # -- public -------------------------------------------------------------------------
@@ -201,7 +282,9 @@ class Fp32Handle:
                                self._name)
                 while stack:
                     self._exit_frame(stack.pop())
+                    _Fp32Region.exit()
         finally:
+            self._guard.release()
             self._restore_params()
 
     def __enter__(self) -> Fp32Handle:
@@ -219,12 +302,14 @@ class Fp32Handle:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state.pop("_local", None)
+        state.pop("_guard", None)
         state["_module_ref"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._local = threading.local()
+        self._guard = _Guard.of(self, not self._removed)  # the copy's hooks force its module too
 
     # -- internals ----------------------------------------------------------------------
     def _stack(self) -> list[tuple[list[torch.autocast], torch.dtype | None]]:
@@ -283,6 +368,7 @@ class Fp32Handle:
             self._exit_frame((contexts, None))
             raise
         self._stack().append((contexts, cast_back))
+        _Fp32Region.enter()
         return new_args, new_kwargs
 
     def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
@@ -290,6 +376,7 @@ class Fp32Handle:
         if not stack:  # our pre-hook did not run for this call (an earlier global pre-hook raised)
             return None
         frame = stack.pop()
+        _Fp32Region.exit()
         self._exit_frame(frame)
         cast_back = frame[1]
         if cast_back is None or output is None:

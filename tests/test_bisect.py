@@ -145,6 +145,41 @@ def _train_overflowing(steps: int, factor: float = 60) -> None:
         opt.zero_grad()
 
 
+def _train_accelerate_style(steps: int) -> None:
+    """``_train_overflowing`` as HF ``Trainer(fp16=True)`` runs it through accelerate: the loop
+    enters no autocast; ``model.forward`` is replaced by one wrapped in ``torch.autocast``."""
+    import types
+
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 1))
+    with torch.no_grad():
+        model[2].weight.mul_(60)
+    model.forward = types.MethodType(torch.autocast("cpu", dtype=torch.float16)(type(model).forward), model)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    for step in range(steps):
+        x = torch.randn(8, 8) * (1 + step) * 60
+        loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+
+def test_bisect_of_a_model_whose_forward_enters_autocast_itself(tmp_path):
+    """The all-FP32 control must run the whole model in FP32 when autocast is entered inside the
+    model's forward (accelerate, HF Trainer): it ran in fp16 there and the verdict was not_precision."""
+    import ampdoctor
+
+    res = ampdoctor.bisect(lambda: _train_accelerate_style(60), out=tmp_path)
+    controls = {tuple(t["fp32"]): t["outcome"] for t in res["trials"]}
+    assert controls[("",)] == "pass", res["trials"]
+    assert res["verdict"] == "culprit" and res["culprits"] == ["2"], res
+
+
 def test_python_api_bisect(tmp_path):
     import random
 
