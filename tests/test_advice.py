@@ -351,3 +351,43 @@ def test_no_keep_fp32_for_a_run_that_was_fp32_throughout(tmp_path):
     assert culprits(report) == ([], "")
     text = " ".join(report.advice)
     assert "keep_fp32" not in text and "produced in FP32" in text, report.advice
+
+
+def test_headroom_of_a_layer_with_no_finite_value_is_not_infinite(tmp_path):
+    """An output that is all NaN has no finite value: its abs-max over finite values is 0, which read
+    as ``inf`` bits of headroom beside millions of NaN (seen on an HF Trainer run), and the culprit's
+    evidence said "overflowed to Inf". An output whose finite values are all zero keeps ``inf``."""
+    import torch
+    from torch import nn
+
+    import ampdoctor
+    from ampdoctor.report.culprit import culprit_advice
+    from ampdoctor.report.phrasing import fmt_bits
+
+    class Times(nn.Module):
+        def __init__(self, v: float):
+            super().__init__()
+            self.v = v
+
+        def forward(self, x):
+            return x * self.v
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Times(0.0), Times(float("nan")))
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    trace = tmp_path / "t.sqlite"
+    with ampdoctor.watch(model, trace=str(trace)):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.randn(3, 4)).float().sum()  # one step: SGD's step turns the weights NaN (0 * NaN)
+        loss.backward()
+        opt.step()
+    rep = build_report(trace)
+    rows = {(r.layer, r.kind): r for r in rep.layers}
+    zero, nan = rows[("1", "activation")], rows[("2", "activation")]
+    assert zero.absmax == 0 and zero.nan == 0 and zero.headroom_bits == math.inf and fmt_bits(zero.headroom_bits) == "inf"
+    assert nan.absmax == 0 and nan.nan == 12 and math.isnan(nan.headroom_bits) and fmt_bits(nan.headroom_bits) == "-"
+    layer = next(d for d in json.loads(rep.to_json())["layers"] if d["layer"] == "2" and d["kind"] == "activation")
+    assert layer["headroom_bits"] is None
+    assert rep.diagnosis.first_nonfinite["layer"] == "2"
+    text = "\n".join(culprit_advice(rep))
+    assert "its output held no finite value (every value NaN, 12 NaN values" in text and "Inf" not in text, text

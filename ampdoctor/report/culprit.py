@@ -53,11 +53,15 @@ def _evidence(report: Report, layer: str) -> str:
         if r is None or not (r.bad or r.headroom_bits < 1):
             continue
         what = {"activation": "output", "gradient": "gradient", "weight_grad": "weight gradient"}.get(kind, kind)
-        if math.isfinite(r.headroom_bits):
+        if r.inf:  # the recorded abs-max is of its finite values
+            s = f"its {what} overflowed to Inf ({fmt.name} max {fmt.max:.6g}; largest finite abs-max {fmt_num(r.absmax)}"
+        elif math.isnan(r.headroom_bits):
+            s = f"its {what} held no finite value (every value NaN"
+        elif math.isinf(r.headroom_bits):
+            s = f"its {what} held no non-zero finite value"
+        else:
             s = f"its {what} reached abs-max {fmt_num(r.absmax)} ({fmt.name} max {fmt.max:.6g}, headroom " \
                 f"{r.headroom_bits:+.1f} bits"
-        else:  # it holds Inf: the recorded abs-max is of its finite values
-            s = f"its {what} overflowed to Inf ({fmt.name} max {fmt.max:.6g}; largest finite abs-max {fmt_num(r.absmax)}"
         counts = [f"{n} {lbl}" for n, lbl in ((r.inf, "Inf"), (r.nan, "NaN"), (r.overflow, "overflowing")) if n]
         if counts:
             s += ", " + ", ".join(counts) + " values"

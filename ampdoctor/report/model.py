@@ -181,6 +181,8 @@ def _aggregate(reader: TraceReader, fmt: Format, layers: dict[int, dict]) -> lis
         info = layers.get(lid, {"name": f"#{lid}", "type": "?", "ord": None})
         n = max(a["numel"], 1)
         head = fmt.headroom_bits(a["absmax"]) if not a["inf"] else -math.inf
+        if not a["inf"] and a["nan"] >= a["numel"] > 0:
+            head = math.nan  # no finite value at all (every value NaN): no headroom to speak of
         dtype = max(a["dtypes"].items(), key=lambda kv: kv[1])[0]
         nbytes = int(round(sum(a["bytes"].values()) / max(len(a["bytes"]), 1)))
         order = info["ord"] if info["ord"] is not None else 10**9 + lid

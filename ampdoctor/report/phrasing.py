@@ -26,7 +26,9 @@ def fmt_pct(v: float) -> str:
 
 
 def fmt_bits(v: float) -> str:
-    """Headroom in bits, signed."""
+    """Headroom in bits, signed; ``-`` when undefined (a layer with no finite value)."""
+    if math.isnan(v):
+        return "-"
     if math.isinf(v):
         return "inf" if v > 0 else "-inf"
     return f"{v:+.1f}"
