@@ -449,3 +449,29 @@ def test_report_of_a_run_going_on_in_another_process_is_not_called_killed(tmp_pa
         p.wait()
     lines = build_report(trace).diagnosis.lines
     assert any("did not finish (killed?)" in line for line in lines), lines
+
+
+@pytest.mark.cuda
+def test_hf_trainer_fp16_run_names_the_layer_and_the_all_fp32_control_passes(tmp_path):
+    """HF ``Trainer(fp16=True)`` (through accelerate, which enters autocast inside ``model.forward``):
+    ``run`` names the planted layer, and bisect's all-FP32 control passes (it ran in fp16 before, so the
+    verdict was not_precision)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from ampdoctor.bisect.trials import TrialRunner
+
+    script = ROOT / "tests" / "scripts" / "hf_trainer.py"
+    env = dict(os.environ)
+    env.pop("AMPDOCTOR_CONFIG", None)
+    out = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "ampdoctor", "run", "--out", str(out), str(script), "--", "--break",
+                        "--steps", "6", "--out", str(tmp_path / "hf")],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    fn = report["diagnosis"]["first_nonfinite"]
+    assert fn["layer"] == "bert.encoder.layer.2.intermediate.dense" and fn["kind"] == "activation" and fn["step"] == 0
+    runner = TrialRunner(str(script), ["--break", "--steps", "12", "--out", str(tmp_path / "hf")], tmp_path / "b",
+                         oracle={}, timeout=600)
+    assert runner.run("all-fp32", [""], pass_after=5).outcome == "pass"
+    assert runner.run("baseline", [], pass_after=5).outcome == "fail"
