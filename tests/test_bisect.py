@@ -284,6 +284,17 @@ def test_fix_snippets_for_autocast_and_pure_half_models():
     assert "float16" in plain[0] and "bfloat16" in plain[1] and "model.head(x.float()).to(x.dtype)" in plain[0]
 
 
+def test_fix_snippet_of_an_overflowing_power_says_power():
+    """GPT-2's NewGELU computes ``x ** 3``: its drill-down op is ``pow``, and the advice said "square"."""
+    from ampdoctor.bisect.driver import fix_snippets
+
+    ops = [{"layer": "h.1.mlp.act", "op": op, "where": "activations.py:66", "absmax": 8.67e9, "phase": "forward",
+            "pick": "first"} for op in ("pow", "mul", "square")]
+    got = fix_snippets(["h.1.mlp.act"], {"h.1.mlp.act": "NewGELUActivation"}, ops)
+    said = [a for a in got if "overflows (abs-max 8.67e+09)" in a]
+    assert [a.split(": compute ")[1].split(" in FP32")[0] for a in said] == ["the power", "the product", "the square"]
+
+
 def test_trials_run_past_the_step_where_a_skip_window_failure_shows(tmp_path):
     """A skipped-steps failure is reported at the first step of the window (here step 0: a 2**40
     init_scale skips 24 steps in a row) but can only be detected 20 steps later; trials passed at

@@ -107,7 +107,8 @@ def fix_snippets(culprits: Sequence[str], types: dict[str, str], ops: list[dict]
             advice.append(f"{o['op']} at {o['where']} overflows (abs-max {_fmt(o['absmax'])}): scale an operand before "
                           "the product (e.g. q * d**-0.5 before q @ k.T) or compute it in FP32; clamping after is too late.")
         elif o["op"] in ("mul", "pow", "square") and o["phase"] == "forward":
-            advice.append(f"{o['op']} at {o['where']} overflows (abs-max {_fmt(o['absmax'])}): compute the square in FP32 "
+            what = {"mul": "the product", "pow": "the power", "square": "the square"}[o["op"]]
+            advice.append(f"{o['op']} at {o['where']} overflows (abs-max {_fmt(o['absmax'])}): compute {what} in FP32 "
                           "(x.float()) or normalise by the abs-max first.")
     return advice
 
