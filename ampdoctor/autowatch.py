@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import warnings
 from typing import Any
 
 from torch import nn
@@ -30,12 +31,19 @@ def _in_construction(module: nn.Module) -> bool:
     return False
 
 
+_COMPILE_WARNING = r"Using `torch\.compile\(module\)` when there are global hooks"
+
+
 class AutoWatch:
     def __init__(self, session: Session):
         self.session = session
         self._known: set[int] = set()
         self._roots: list[Any] = []
         self._handle = register_module_forward_pre_hook(self._pre)
+        # torch warns at every call of a torch.compile'd module while a global module hook exists: that
+        # hook is this one (it sees the wrapper and the model it wraps, and watches the model once)
+        warnings.filterwarnings("ignore", message=_COMPILE_WARNING, category=UserWarning)
+        self._filter = warnings.filters[0]
 
     def _pre(self, module: nn.Module, args: Any) -> Any:
         if id(module) in self._known or self.session.closed:
@@ -74,3 +82,12 @@ class AutoWatch:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        if self._filter is not None:
+            try:
+                warnings.filters.remove(self._filter)
+            except ValueError:  # the script reset the filters itself
+                pass
+            mutated = getattr(warnings, "_filters_mutated", None) or getattr(warnings, "_filters_mutated_lock_held", None)
+            if mutated is not None:
+                mutated()  # (the warnings module caches the filters' version)
+            self._filter = None

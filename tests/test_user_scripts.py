@@ -475,3 +475,27 @@ def test_hf_trainer_fp16_run_names_the_layer_and_the_all_fp32_control_passes(tmp
                          oracle={}, timeout=600)
     assert runner.run("all-fp32", [""], pass_after=5).outcome == "pass"
     assert runner.run("baseline", [], pass_after=5).outcome == "fail"
+
+
+def test_auto_watch_hides_torchs_compiled_module_warning_and_puts_the_filters_back(tmp_path):
+    """Under ``ampdoctor run`` torch warned at the calls of a ``torch.compile``'d model that "global
+    hooks" fire an extra time: the hook is ampdoctor's automatic watch, which handles the wrapper."""
+    import warnings
+
+    from ampdoctor.autowatch import AutoWatch
+    from ampdoctor.config import RunConfig
+    from ampdoctor.session import Session
+
+    session = Session(RunConfig(trace=str(tmp_path / "t.sqlite")), owned=True)
+    before = list(warnings.filters)
+    auto = AutoWatch(session)
+    try:
+        with warnings.catch_warnings(record=True) as got:
+            warnings.warn("Using `torch.compile(module)` when there are global hooks on modules (e.g., from "
+                          "`register_module_forward_hook`); this will cause the hooks to fire an extra time", UserWarning, stacklevel=1)
+            warnings.warn("a warning of the user's own", UserWarning, stacklevel=1)
+        assert [str(w.message) for w in got] == ["a warning of the user's own"]
+    finally:
+        auto.remove()
+        session.close()
+    assert warnings.filters == before
