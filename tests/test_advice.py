@@ -105,6 +105,24 @@ def test_scaler_health(tmp_path, scales, skipped, state):
     assert any("GradScaler" in a for a in rep.advice)
 
 
+def test_skips_of_a_nan_loss_are_not_start_up_backoffs(tmp_path):
+    """An HF Trainer run whose forward overflowed at every step (the loss NaN, every step skipped, the
+    scale halved 12 times) was told "12 start-up backoffs are normal; a lower init_scale avoids them"."""
+    scales = [2.0 ** (15 - i) for i in range(12)]
+    p = synthetic_trace(tmp_path / "nan.sqlite", grad_exps=[(-4, 10)], scales=scales, skipped=[1] * 12,
+                        losses=[float("nan")] * 12)
+    rep = build_report(p)
+    h = scaler_health(rep)
+    assert (h.state, h.startup_backoffs, h.nonfinite_loss_skips) == ("persistent", 0, 12)
+    text = "\n".join(rep.advice)
+    assert "start-up backoffs" not in text and "The loss itself was NaN/Inf in 12 of the skipped steps" in text, text
+    # the same skips with a finite loss are start-up backoffs, as before
+    p = synthetic_trace(tmp_path / "ok.sqlite", grad_exps=[(-4, 10)], scales=scales[:3] + [2.0 ** 13] * 9,
+                        skipped=[1, 1, 1] + [0] * 9)
+    h = scaler_health(build_report(p))
+    assert (h.state, h.startup_backoffs, h.nonfinite_loss_skips) == ("startup", 3, 0)
+
+
 def test_module_expr():
     assert module_expr("blocks.1.attn") == "model.blocks[1].attn"
     assert module_expr("net.2") == "model.net[2]"

@@ -28,6 +28,7 @@ class ScalerHealth:
     last_scale: float | None
     min_scale: float | None
     max_scale: float | None
+    nonfinite_loss_skips: int = 0  # skipped steps whose loss itself was NaN/Inf (the forward broke, not the scale)
 
 
 def scaler_health(report: Report) -> ScalerHealth:
@@ -37,8 +38,11 @@ def scaler_health(report: Report) -> ScalerHealth:
     if not scales:
         return ScalerHealth("none", len(tl), 0, 0, 0, None, None, None, None)
     skipped = [bool(t.get("skipped")) for t in tl]
+    # a skip whose loss was NaN/Inf is not a start-up backoff: the forward broke, no scale fixes that
+    loss_ok = [t.get("loss") is None or math.isfinite(t["loss"]) for t in tl]
+    bad_loss = sum(1 for s, ok in zip(skipped, loss_ok) if s and not ok)
     startup = 0
-    while startup < len(skipped) and skipped[startup]:
+    while startup < len(skipped) and skipped[startup] and loss_ok[startup]:
         startup += 1
     after = skipped[startup:]
     n_after = sum(after)
@@ -58,7 +62,8 @@ def scaler_health(report: Report) -> ScalerHealth:
     else:
         state = "healthy"
     first = scales[0] * (2.0 if skipped and skipped[0] else 1.0)
-    return ScalerHealth(state, len(tl), sum(skipped), startup, n_after, first, scales[-1], min(scales), max(scales))
+    return ScalerHealth(state, len(tl), sum(skipped), startup, n_after, first, scales[-1], min(scales), max(scales),
+                        bad_loss)
 
 
 def scaler_advice(report: Report, h: ScalerHealth, ls: LossScaleAnalysis | None) -> list[str]:
@@ -69,14 +74,17 @@ def scaler_advice(report: Report, h: ScalerHealth, ls: LossScaleAnalysis | None)
         return f"2**{math.log2(v):.0f}" if v and v > 0 else "0"
 
     base = f"GradScaler: {h.skipped} of {h.steps} steps skipped"
+    forward = (f" The loss itself was NaN/Inf in {h.nonfinite_loss_skips} of the skipped steps: the forward pass "
+               "produces it (see the first non-finite producer), which no loss scale fixes."
+               if h.nonfinite_loss_skips else "")
     if h.state == "collapse":
         return [f"{base}; its scale collapsed from {lg(h.first_scale)} to {lg(h.min_scale)} (below 1): gradients "
                 "overflow at every scale, so the Inf/NaN comes from a layer that produces it, not from the loss scale. "
-                "Fix that layer (above); changing init_scale will not help."]
+                "Fix that layer (above); changing init_scale will not help." + forward]
     if h.state == "persistent":
         return [f"{base}, {h.skipped_after_startup} after start-up and most of the last 10: persistent overflow. The scale "
                 f"fell to {lg(h.last_scale)} without the overflow stopping: a layer produces Inf/NaN (see the culprit), "
-                "or the gradients span more binades than the format holds."]
+                "or the gradients span more binades than the format holds." + forward]
     out = []
     if h.startup_backoffs:
         out.append(f"{base}: {h.startup_backoffs} start-up backoffs ({lg(h.first_scale)} -> "
@@ -94,6 +102,8 @@ def scaler_advice(report: Report, h: ScalerHealth, ls: LossScaleAnalysis | None)
         out.append(f"GradScaler's scale grew to {lg(h.max_scale)}: the gradients are tiny (or a skipped-step check never "
                    "fires). Harmless while the scaled loss stays finite; a larger `GradScaler(growth_interval=...)`, or "
                    "a smaller init_scale, keeps it in range.")
+    if forward and h.state in ("occasional", "frequent", "huge"):
+        out.append(forward.strip())
     if h.state == "healthy" and not out:
         out.append(f"{base}; scale {lg(h.first_scale)} -> {lg(h.last_scale)}: healthy.")
     return out
