@@ -280,6 +280,164 @@ def measure_only(model, opt, fmt: str = "fp16") -> Config:
     return Config("measure-only", setup)
 
 
+def replay_floor(model, opt, fmt: str = "fp16") -> Config:
+    """Reference floor, not ampdoctor: the least a recorder that *replays* a plan would do on a
+    recorded step that follows it (benchmarks/README, tenth session). Over ``measure-only`` it adds
+    what such a recorder could not drop:
+
+    * a forward hook on every module, containers too (their outputs are the first-non-finite
+      flags' tensors), each checking its call against the plan (the module expected at this position)
+      and appending the output and its ``_version``; no pre-hooks;
+    * gradient hooks registered without a ``RemovableHandle`` (``ampdoctor.watch._new_hook``, as the
+      watch does), one pre-built callable per module;
+    * the statistics launches with the step's gate, and the gated NaN/Inf check of the containers'
+      outputs (``stats_cuda.fused_nonfinite``) at each flush;
+    * at the step's end: the rows in one device buffer, one non-blocking copy to pinned memory, the
+      previous step's copy waited for (the step's one sync), its version checks, and its rows handed to
+      a trace writer with the row descriptions built once (the writer process does the rest).
+
+    What it leaves out (a replaying recorder would still pay for them): checking a call's inputs, the
+    first recorded step's full bookkeeping, falling back when a step departs from the plan, and
+    first-non-finite attribution of a step that holds a NaN/Inf."""
+    import torch
+
+    from ampdoctor import stats as _stats
+    from ampdoctor.formats import get_format
+    from ampdoctor.rows import _allocated
+    from ampdoctor.trace import TraceWriter
+    from ampdoctor.watch import _new_hook
+
+    f = get_format(fmt)
+    mods = list(model.modules())
+    leaf = [not any(True for _ in m.children()) for m in mods]
+    params = [p for p in model.parameters()]
+    n_fields = _stats.N_FIELDS
+
+    def setup():
+        import ampdoctor.stats_cuda as sc
+
+        dev = next(model.parameters()).device
+        cuda = dev.type == "cuda"
+        gate = torch.zeros(1, dtype=torch.int32, device=dev)
+        plan: list = []       # module index per hook call, learned on the first step
+        pos = [0]
+        rows: list = []       # leaf outputs, then their gradients (the rows' tensors)
+        vers: list = []       # their _version when handed over (checked at the flush)
+        flags: list = []      # container outputs (flag-only tensors)
+        blocks: list = []
+        fblocks: list = []
+        held = [0]
+        budget = 64 << 20
+        peak = 0
+        if cuda and torch.cuda.max_memory_allocated():
+            peak = torch.cuda.max_memory_allocated()
+            budget = int(min(1 << 30, max(16 << 20, 0.03 * peak)))
+        check_at = [budget]
+        pinned: list = [None, None]   # (host buffer, event) of the last step's rows
+        meta: list = []
+        writer = TraceWriter(Path(tempfile.mkdtemp(prefix="ampdoctor-replay-")) / "t.sqlite")
+        step_no = [0]
+        handles = []
+
+        def flush():
+            if rows:
+                ok = [t for t, v in zip(rows, vers) if t._version == v]  # changed in place since: not measured
+                if ok:
+                    blocks.append(_stats.batch_stats(ok, f, gate) if cuda else _stats.batch_stats(ok, f))
+                rows.clear()
+                vers.clear()
+            if flags and cuda:
+                fblocks.append(sc.fused_nonfinite(flags, gate))
+            flags.clear()
+            held[0] = 0
+            check_at[0] = budget
+
+        def take(t):
+            rows.append(t)
+            vers.append(t._version)
+            held[0] += t.numel() * t.element_size()
+            if held[0] > check_at[0]:
+                if peak and held[0] <= peak // 4 and _allocated(t.device) + 2 * budget <= peak:
+                    check_at[0] = held[0] + 2 * budget
+                else:
+                    flush()
+
+        def make_post(i, is_leaf):
+            grad_take = take
+
+            def post(mod, args, out):
+                k = pos[0]
+                pos[0] = k + 1
+                if k < len(plan):
+                    if plan[k] != i:  # a step that departs from the plan: the full bookkeeping would run
+                        return
+                else:
+                    plan.append(i)
+                if type(out) is torch.Tensor and out.dtype.is_floating_point:
+                    if is_leaf:
+                        take(out)
+                        if out.requires_grad:
+                            _new_hook(out, grad_take)
+                    else:
+                        flags.append(out)
+
+            return post
+
+        for i, (m, is_leaf) in enumerate(zip(mods, leaf)):
+            handles.append(m.register_forward_hook(make_post(i, is_leaf)))
+
+        def before_step(*_):
+            flush()
+            grads = [p.grad for p in params if p.grad is not None]
+            if grads:
+                blocks.append(_stats.batch_stats(grads, f, gate) if cuda else _stats.batch_stats(grads, f))
+
+        def after_step(*_):
+            blocks.append(_stats.batch_stats(params, f, gate) if cuda else _stats.batch_stats(params, f))
+            out = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
+            host, ev = pinned
+            if host is not None:  # the previous step's rows: the one sync, then to the writer
+                ev.synchronize()
+                if not meta:
+                    meta.extend((0, "activation", "out", j, "float16", 1, 2) for j in range(host.shape[0]))
+                writer.add_stat_rows(step_no[0] - 1, meta[:host.shape[0]], host.numpy(), n_fields)
+            if cuda:
+                buf = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+                buf.copy_(out, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record()
+                pinned[0], pinned[1] = buf, ev
+            else:
+                pinned[0], pinned[1] = out.clone(), type("Done", (), {"synchronize": staticmethod(lambda: None)})
+            blocks.clear()
+            fblocks.clear()
+            gate.zero_()
+            pos[0] = 0
+            step_no[0] += 1
+
+        def new_step(*_):  # a step whose optimizer step was skipped (GradScaler): start the plan again
+            if pos[0]:
+                flush()
+                blocks.clear()
+                fblocks.clear()
+                pos[0] = 0
+
+        handles += [opt.register_step_pre_hook(before_step), opt.register_step_post_hook(after_step),
+                    model.register_forward_pre_hook(new_step)]
+
+        def teardown():
+            for h in handles:
+                h.remove()
+            rows.clear()
+            flags.clear()
+            blocks.clear()
+            writer.close()
+
+        return teardown
+
+    return Config("replay-floor", setup)
+
+
 def cuda_ms_per_call(fn, n: int = 10, reps: int = 10) -> float:
     """Milliseconds per call of ``fn``: ``reps`` calls back to back between two CUDA events (so the
     host's launch work overlaps the GPU's, as in training), median of ``n``."""

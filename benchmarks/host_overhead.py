@@ -41,6 +41,7 @@ from _harness import (  # noqa: E402
     hooks_only,
     import_revision,
     measure_only,
+    replay_floor,
     revision_config,
     run_interleaved,
     table,
@@ -173,8 +174,8 @@ def main() -> None:
         loss.backward()
         opt.step()
 
-    configs = [Config("baseline"), hooks_only(model), measure_only(model, opt), watch_config("every=1", model, 1),
-               watch_config("every=10", model, 10)]
+    configs = [Config("baseline"), hooks_only(model), measure_only(model, opt), replay_floor(model, opt),
+               watch_config("every=1", model, 1), watch_config("every=10", model, 10)]
     if args.not_recorded:  # the first recorded step falls in each round's untimed warm-up step
         shipped = Watch.sleep
 

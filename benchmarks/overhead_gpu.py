@@ -30,6 +30,7 @@ from _harness import (  # noqa: E402
     hooks_only,
     import_revision,
     measure_only,
+    replay_floor,
     revision_config,
     run_interleaved,
     table,
@@ -349,7 +350,8 @@ def main() -> None:
             configs += [revision_config(f"every=1 at {args.ab}", old, model, 1),
                         revision_config(f"every=10 at {args.ab}", old, model, 10)]
         if args.floors:
-            configs += [hooks_only(model), hooks_only(model, read=True), measure_only(model, step.opt)]
+            configs += [hooks_only(model), hooks_only(model, read=True), measure_only(model, step.opt),
+                        replay_floor(model, step.opt)]
         if args.ablations:
             configs += [watch_config("every=1, blocking read", model, 1, before=_no_defer, after=_defer),
                         watch_config("every=1, no attribution flags", model, 1, before=_no_flags, after=_flags),
