@@ -93,7 +93,8 @@ def scaler_advice(report: Report, h: ScalerHealth, ls: LossScaleAnalysis | None)
                       else "a lower init_scale avoids them."))
     if h.state == "occasional":
         out.append(f"{base}, {h.skipped_after_startup} after start-up: occasional overflow that the scaler backs off "
-                   f"from (scale {lg(h.first_scale)} -> {lg(h.last_scale)}); normal for a dynamic loss scale.")
+                   f"from (scale {lg(h.first_scale)} -> {lg(h.last_scale)})"
+                   + ("." if h.nonfinite_loss_skips else "; normal for a dynamic loss scale."))
     if h.state == "frequent":
         out.append(f"GradScaler skipped {h.skipped_after_startup} steps after start-up: the scale keeps growing into "
                    "overflow. A longer growth_interval (e.g. `GradScaler(growth_interval=4000)`) skips fewer steps"
