@@ -194,6 +194,36 @@ def hooks_only(model, *, read: bool = False) -> Config:
     return Config("read-once" if read else "hooks-only", setup)
 
 
+class _Budget:
+    """The byte budget of ampdoctor's batches (``rows.RowPolicy``), for the reference floors: 3% of
+    the CUDA peak so far (16 MiB..1 GiB; 64 MiB without CUDA), and a batch past it may grow by two
+    budgets at a time while allocated memory stays that far under the peak."""
+
+    def __init__(self) -> None:
+        import torch
+
+        self.budget, self.peak = 64 << 20, 0
+        if torch.cuda.is_available() and torch.cuda.max_memory_allocated():
+            self.peak = torch.cuda.max_memory_allocated()
+            self.budget = int(min(1 << 30, max(16 << 20, 0.03 * self.peak)))
+        self.reset()
+
+    def reset(self) -> None:
+        self.held, self.check_at = 0, self.budget
+
+    def full(self, t) -> bool:
+        """Count ``t``'s bytes; whether the batch must be measured now."""
+        from ampdoctor.rows import _allocated
+
+        self.held += t.numel() * t.element_size()
+        if self.held <= self.check_at:
+            return False
+        if self.peak and self.held <= self.peak // 4 and _allocated(t.device) + 2 * self.budget <= self.peak:
+            self.check_at = self.held + 2 * self.budget
+            return False
+        return True
+
+
 def measure_only(model, opt, fmt: str = "fp16") -> Config:
     """Reference floor, not ampdoctor: what a step under ``watch`` measures, with the same
     statistics kernels and batching, and no bookkeeping. A forward hook on every leaf module hands
@@ -208,7 +238,6 @@ def measure_only(model, opt, fmt: str = "fp16") -> Config:
 
     from ampdoctor import stats as _stats
     from ampdoctor.formats import get_format
-    from ampdoctor.rows import _allocated
 
     f = get_format(fmt)
     leaves = [m for m in model.modules() if not any(True for _ in m.children())]
@@ -216,31 +245,20 @@ def measure_only(model, opt, fmt: str = "fp16") -> Config:
 
     def setup():
         batch: list = []
-        held = [0]
         blocks: list = []
         handles = []
-        budget = 64 << 20
-        peak = 0
-        if torch.cuda.is_available() and torch.cuda.max_memory_allocated():
-            peak = torch.cuda.max_memory_allocated()
-            budget = int(min(1 << 30, max(16 << 20, 0.03 * peak)))
-        check_at = [budget]
+        budget = _Budget()
 
         def flush():
             if batch:
                 blocks.append(_stats.batch_stats(batch, f))
                 batch.clear()
-                held[0] = 0
-                check_at[0] = budget
+                budget.reset()
 
         def take(t):
             batch.append(t)
-            held[0] += t.numel() * t.element_size()
-            if held[0] > check_at[0]:
-                if peak and held[0] <= peak // 4 and _allocated(t.device) + 2 * budget <= peak:
-                    check_at[0] = held[0] + 2 * budget
-                else:
-                    flush()
+            if budget.full(t):
+                flush()
 
         def post(mod, args, out):
             outs = out if isinstance(out, tuple) else (out,)
@@ -303,7 +321,6 @@ def replay_floor(model, opt, fmt: str = "fp16") -> Config:
 
     from ampdoctor import stats as _stats
     from ampdoctor.formats import get_format
-    from ampdoctor.rows import _allocated
     from ampdoctor.trace import TraceWriter
     from ampdoctor.watch import _new_hook
 
@@ -326,14 +343,8 @@ def replay_floor(model, opt, fmt: str = "fp16") -> Config:
         flags: list = []      # container outputs (flag-only tensors)
         blocks: list = []
         fblocks: list = []
-        held = [0]
-        budget = 64 << 20
-        peak = 0
-        if cuda and torch.cuda.max_memory_allocated():
-            peak = torch.cuda.max_memory_allocated()
-            budget = int(min(1 << 30, max(16 << 20, 0.03 * peak)))
-        check_at = [budget]
-        pinned: list = [None, None]   # (host buffer, event) of the last step's rows
+        budget = _Budget()
+        pinned: list = [None, None]   # (host buffer, its copy's event or None) of the last step's rows
         meta: list = []
         writer = TraceWriter(Path(tempfile.mkdtemp(prefix="ampdoctor-replay-")) / "t.sqlite")
         step_no = [0]
@@ -349,18 +360,13 @@ def replay_floor(model, opt, fmt: str = "fp16") -> Config:
             if flags and cuda:
                 fblocks.append(sc.fused_nonfinite(flags, gate))
             flags.clear()
-            held[0] = 0
-            check_at[0] = budget
+            budget.reset()
 
         def take(t):
             rows.append(t)
             vers.append(t._version)
-            held[0] += t.numel() * t.element_size()
-            if held[0] > check_at[0]:
-                if peak and held[0] <= peak // 4 and _allocated(t.device) + 2 * budget <= peak:
-                    check_at[0] = held[0] + 2 * budget
-                else:
-                    flush()
+            if budget.full(t):
+                flush()
 
         def make_post(i, is_leaf):
             grad_take = take
@@ -397,7 +403,8 @@ def replay_floor(model, opt, fmt: str = "fp16") -> Config:
             out = torch.cat(blocks) if len(blocks) > 1 else blocks[0]
             host, ev = pinned
             if host is not None:  # the previous step's rows: the one sync, then to the writer
-                ev.synchronize()
+                if ev is not None:
+                    ev.synchronize()
                 if not meta:
                     meta.extend((0, "activation", "out", j, "float16", 1, 2) for j in range(host.shape[0]))
                 writer.add_stat_rows(step_no[0] - 1, meta[:host.shape[0]], host.numpy(), n_fields)
@@ -408,7 +415,7 @@ def replay_floor(model, opt, fmt: str = "fp16") -> Config:
                 ev.record()
                 pinned[0], pinned[1] = buf, ev
             else:
-                pinned[0], pinned[1] = out.clone(), type("Done", (), {"synchronize": staticmethod(lambda: None)})
+                pinned[0], pinned[1] = out.clone(), None
             blocks.clear()
             fblocks.clear()
             gate.zero_()
