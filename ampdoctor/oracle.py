@@ -16,7 +16,10 @@ Criteria, each reported as a ``reason``:
     the GradScaler scale fell below ``scale_floor``;
 ``skipped_steps``
     more than ``skip_frac`` of the last ``skip_window`` optimizer steps were skipped, after
-    the scaler's start-up (see ``startup_grace``);
+    the scaler's start-up (see ``startup_grace``); or a run that ends with every one of its
+    steps (at least :data:`NAN_SKIPS`) skipped, whose recorded gradients held NaN but no Inf
+    (``grads="nan"``): not start-up backoffs, which come from a scale too high and overflow
+    to Inf;
 ``divergence``
     with a reference (FP32 control) loss curve, the final loss is above ``divergence``
     times the reference loss.
@@ -36,6 +39,10 @@ from typing import Any, Optional, Sequence
 __all__ = ["OracleConfig", "Decision", "Oracle", "REASONS"]
 
 REASONS = ("nonfinite_loss", "nonfinite_params", "scale_collapse", "skipped_steps", "divergence")
+# a run whose every step was skipped, at least this many, with NaN-only gradients, failed (see
+# ``skipped_steps``); fewer could be a start-up backoff whose Inf an op inside a layer turned into NaN
+NAN_SKIPS = 4
+GRADS = (None, "finite", "nan", "inf")  # Oracle.observe's ``grads``: what a recorded step's gradients held
 
 
 @dataclass
@@ -146,14 +153,24 @@ class Oracle:
         self._window: deque[tuple[int, bool]] = deque(maxlen=self.cfg.skip_window)
         self._backoff_start: Optional[int] = None  # first step of the current run of scale drops
         self._last_scale: Optional[float] = None
+        self._observed = 0  # steps observed
+        self._grads: set[str] = set()  # what the recorded steps' gradients held ("finite", "nan", "inf")
 
     def observe(self, step: int, loss: Optional[float] = None, scale: Optional[float] = None,
-                skipped: Optional[bool] = None, params_finite: Optional[bool] = None) -> Optional[Decision]:
+                skipped: Optional[bool] = None, params_finite: Optional[bool] = None,
+                grads: Optional[str] = None) -> Optional[Decision]:
         """Record one step; returns the failing :class:`Decision` once one trips (and the same
-        decision on later calls), else ``None``. ``None`` arguments mean "not observed"."""
+        decision on later calls), else ``None``. ``None`` arguments mean "not observed".
+        ``grads``: what the step's recorded gradients held: ``"finite"``, ``"nan"`` (NaN, and no
+        Inf), ``"inf"`` (an Inf)."""
         if self.decision is not None:
             return self.decision
+        if grads not in GRADS:
+            raise ValueError(f"grads={grads!r}; expected one of {GRADS}")
         self.last_step = step
+        self._observed += 1
+        if grads is not None:
+            self._grads.add(grads)
         if loss is not None:
             self.losses[step] = float(loss)
         for check in (self._check_params, self._check_loss, self._check_scale, self._check_skips):
@@ -168,11 +185,22 @@ class Oracle:
         judged (when configured), else pass."""
         if self.decision is not None:
             return self.decision
+        if self.nan_skips():
+            self.decision = Decision("fail", self._startup_skips[0], "skipped_steps")
+            return self.decision
         div = self._check_divergence()
         if div is not None:
             self.decision = div
             return div
         return Decision("pass", self.last_step, None)
+
+    def nan_skips(self) -> bool:
+        """Every step observed so far (at least :data:`NAN_SKIPS`) was skipped with a finite loss, and
+        the recorded gradients held NaN but never Inf: a failure once the run ends so (see
+        ``skipped_steps``)."""
+        return (not self._warmed_up and self._observed >= NAN_SKIPS and len(self._startup_skips) == self._observed
+                and all(math.isfinite(v) for v in self.losses.values())
+                and "nan" in self._grads and "inf" not in self._grads)
 
     # -- criteria -----------------------------------------------------------------------
     def _check_params(self, step, loss, scale, skipped, params_finite) -> Optional[Decision]:

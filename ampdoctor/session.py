@@ -69,6 +69,21 @@ def _rank() -> int:
 DEFER_HOST_READ = os.environ.get("AMPDOCTOR_DEFER_READ", "1") != "0"  # see Session._flush_soon
 
 
+_NAN, _POSINF, _NEGINF = (_stats.FIELDS.index(k) for k in ("nan", "posinf", "neginf"))
+
+
+def _grads_held(row_meta: list, host_rows: np.ndarray) -> str | None:
+    """What a recorded step's gradient rows (activation and weight gradients) held, for the oracle:
+    ``"inf"`` (an Inf), else ``"nan"``, else ``"finite"``; ``None`` without such rows."""
+    idx = [i for i, m in enumerate(row_meta) if m[1] in ("gradient", "weight_grad")]
+    if not idx:
+        return None
+    g = host_rows[idx]
+    if (g[:, [_POSINF, _NEGINF]] != 0).any():
+        return "inf"
+    return "nan" if (g[:, _NAN] != 0).any() else "finite"
+
+
 class Session:
     """One per process. Created by the first ``watch()`` (or by the CLI runner)."""
 
@@ -464,10 +479,12 @@ class Session:
                     # and attributed (_reset_step decided that for a step that was not to be recorded)
                     self.attributing = not self.attribution.done(self._scaled_loss_active)
             if self._oracle is not None and decision is None:
-                params_finite = None
+                params_finite = grads = None
                 if s == step and recorded:
                     params_finite = not any(m[1] == "weight" and b for m, b in zip(row_meta, bad_rows(host_rows)))
-                decision = self._oracle.observe(s, loss, scale, None if skipped is None else bool(skipped), params_finite)
+                    grads = _grads_held(row_meta, host_rows)
+                decision = self._oracle.observe(s, loss, scale, None if skipped is None else bool(skipped), params_finite,
+                                                grads)
                 if decision is None and self.config.pass_after is not None and s + 1 >= self.config.pass_after:
                     decision = self._oracle.finish()
                 if decision is not None:

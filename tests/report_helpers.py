@@ -75,10 +75,11 @@ def fp32_trace(path: Path, fmt: str, gain: float, steps: int = 3) -> Path:
 
 def synthetic_trace(path: Path, *, grad_exps: Sequence[tuple[int, int]], scales: Sequence[float | None],
                     skipped: Sequence[int] | None = None, fmt: str = "fp16", dtype: str = "float16",
-                    losses: Sequence[float] | None = None) -> Path:
+                    losses: Sequence[float] | None = None, grad_nan: int = 0, grad_inf: int = 0) -> Path:
     """A trace written directly: one Linear, one activation row per step, and gradient rows whose
     exponent histogram holds ``count`` values in binade ``exp`` for each ``(exp, count)`` (as
-    recorded, i.e. already scaled), one step per entry of ``scales`` (the scale after update)."""
+    recorded, i.e. already scaled), one step per entry of ``scales`` (the scale after update).
+    ``grad_nan``/``grad_inf``: NaN and +Inf values of each gradient row, besides those."""
     f = get_format(fmt)
     w = TraceWriter(path)
     w.set_meta(format=f.name, every=1, status="finished", argv=["synthetic"])
@@ -96,7 +97,8 @@ def synthetic_trace(path: Path, *, grad_exps: Sequence[tuple[int, int]], scales:
         act[0 - f.min_exp + 1] = 10
         w.add_stats([(step, 0, "activation", "out", 0, dtype, 10, 20, 0, 0, 0, 0, -1.5, 1.5, 1.5, 1.0, 0, 0, 0,
                       hist_blob(act)),
-                     (step, 0, "gradient", "out", 0, dtype, total, 2 * total, 0, 0, 0, 0, -absmax, absmax, absmax,
+                     (step, 0, "gradient", "out", 0, dtype, total + grad_nan + grad_inf, 2 * (total + grad_nan + grad_inf),
+                      grad_nan, grad_inf, 0, 0, -absmax, absmax, absmax,
                       2.0 ** min(e for e, _ in grad_exps), 0, 0, 0, hist_blob(hist))])
         loss = 1.0 if losses is None else losses[step]
         skip = None if scale is None else (0 if skipped is None else skipped[step])

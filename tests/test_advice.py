@@ -123,6 +123,39 @@ def test_skips_of_a_nan_loss_are_not_start_up_backoffs(tmp_path):
     assert (h.state, h.startup_backoffs, h.nonfinite_loss_skips) == ("startup", 3, 0)
 
 
+def test_a_run_that_skipped_every_step_is_not_told_its_backoffs_are_normal(tmp_path):
+    """8 steps, every one skipped with a finite loss (GPT-2's fp16 NewGELU, whose backward makes NaN at
+    any scale): the report said "did not break" and "8 start-up backoffs ... are normal"."""
+    scales = [2.0 ** (15 - i) for i in range(8)]
+    # NaN in the gradients and no Inf: not the scale's overflow -> broken, at the first skipped step
+    p = synthetic_trace(tmp_path / "nan.sqlite", grad_exps=[(-4, 10)], scales=scales, skipped=[1] * 8, grad_nan=5)
+    rep = build_report(p)
+    assert (rep.diagnosis.broke, rep.diagnosis.step, rep.diagnosis.reason) == (True, 0, "skipped_steps")
+    assert "their gradients held NaN without any Inf" in rep.diagnosis.lines[0]
+    h = scaler_health(rep)
+    assert (h.state, h.skipped) == ("nan", 8)
+    text = "\n".join(rep.advice)
+    assert "These are not start-up backoffs" in text and "are normal" not in text, text
+    # an Inf as well: maybe the scale's; not judged, and not called normal either
+    p = synthetic_trace(tmp_path / "inf.sqlite", grad_exps=[(-4, 10)], scales=scales, skipped=[1] * 8, grad_nan=5,
+                        grad_inf=1)
+    rep = build_report(p)
+    assert not rep.diagnosis.broke and "took no optimizer step" in rep.diagnosis.lines[0], rep.diagnosis.lines
+    assert scaler_health(rep).state == "unsettled"
+    text = "\n".join(rep.advice)
+    assert "Run more steps" in text and "are normal" not in text, text
+    # fewer skipped steps than the oracle's NAN_SKIPS: not judged either
+    p = synthetic_trace(tmp_path / "few.sqlite", grad_exps=[(-4, 10)], scales=scales[:3], skipped=[1] * 3, grad_nan=5)
+    rep = build_report(p)
+    assert not rep.diagnosis.broke and scaler_health(rep).state == "unsettled"
+    # backoffs that ended: start-up, as before, NaN or not
+    p = synthetic_trace(tmp_path / "ok.sqlite", grad_exps=[(-4, 10)], scales=scales[:5] + [2.0 ** 11] * 5,
+                        skipped=[1] * 5 + [0] * 5, grad_nan=5)
+    rep = build_report(p)
+    assert not rep.diagnosis.broke and scaler_health(rep).state == "startup"
+    assert "5 start-up backoffs" in "\n".join(rep.advice)
+
+
 def test_module_expr():
     assert module_expr("blocks.1.attn") == "model.blocks[1].attn"
     assert module_expr("net.2") == "model.net[2]"

@@ -180,6 +180,58 @@ def test_bisect_of_a_model_whose_forward_enters_autocast_itself(tmp_path):
     assert res["verdict"] == "culprit" and res["culprits"] == ["2"], res
 
 
+def _train_newgelu(steps: int, trace: Path | None = None):
+    """A CPU fp16 training through GPT-2's NewGELU, whose input reaches a few hundred: ``x ** 3``
+    overflows inside its forward (the output stays finite), and its backward makes NaN (inf * 0) at
+    any loss scale, with no Inf anywhere. ``trace``: watched, and the report returned."""
+    import torch
+    from torch import nn
+
+    import ampdoctor
+
+    class NewGELU(nn.Module):
+        def forward(self, x):
+            return 0.5 * x * (1.0 + torch.tanh(0.7978845608 * (x + 0.044715 * torch.pow(x, 3.0))))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), NewGELU(), nn.Linear(32, 32))
+    with torch.no_grad():
+        model[0].weight.mul_(200)
+    w = ampdoctor.watch(model, trace=str(trace)) if trace is not None else None
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    for _ in range(steps):
+        x = torch.randn(8, 8)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().tanh().mean() * 0.01
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    if w is not None:
+        rep = w.report()
+        w.remove()
+        return rep
+
+
+def test_a_backward_that_makes_nan_at_every_scale_is_found_in_a_few_steps(tmp_path):
+    """Every step skipped, the loss finite, the gradients NaN without Inf: bisect called such a 6-step
+    run healthy (the GradScaler's start-up backoffs may take 20 steps), and the report said "did not
+    break" and that the skips were normal start-up backoffs."""
+    import ampdoctor
+
+    rep = _train_newgelu(6, tmp_path / "watched.sqlite")
+    d = rep.diagnosis
+    assert (d.broke, d.step, d.reason, d.optimizer_steps, d.skipped_steps) == (True, 0, "skipped_steps", 0, 6), d
+    assert d.first_nonfinite["layer"] == "1" and d.first_nonfinite["kind"] == "gradient", d.first_nonfinite
+    assert not any(r.inf for r in rep.layers) and any(r.nan for r in rep.rows("gradient"))
+    text = "\n".join(rep.advice)
+    assert "keep_fp32(model[1])" in text and "These are not start-up backoffs" in text, text
+    res = ampdoctor.bisect(lambda: _train_newgelu(6), out=tmp_path / "bisect")
+    assert res["verdict"] == "culprit" and res["culprits"] == ["1"], res
+    assert (res["trials"][0]["fp32"], res["trials"][0]["outcome"]) == ([], "fail"), res["trials"]
+
+
 def test_python_api_bisect(tmp_path):
     import random
 

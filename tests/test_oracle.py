@@ -78,6 +78,43 @@ def test_warmup_that_never_ends_fails():
     assert d == Decision("fail", 0, "scale_collapse")  # 65536 / 2**17 < 1 first
 
 
+def _skipping(n, grads, losses=None, taken=()):
+    """``n`` steps of a GradScaler that skips all but ``taken``; ``grads[i]``: what step i's recorded
+    gradients held (None: not recorded)."""
+    o = Oracle()
+    for step, scale, skipped in scaler_timeline(set(range(n)) - set(taken), n):
+        loss = 1.0 if losses is None else losses[step]
+        assert o.observe(step, loss, scale, skipped, True, grads[step]) is None
+    return o.finish()
+
+
+def test_every_step_skipped_with_nan_only_gradients_fails_when_the_run_ends():
+    """GPT-2's fp16 NewGELU: x ** 3 overflows inside the forward, the backward makes NaN (inf * 0) at any
+    scale; an 8-step run skipped every step, and was judged healthy: start-up backoffs (up to 20)."""
+    assert _skipping(8, ["nan"] * 8) == Decision("fail", 0, "skipped_steps")
+    # a search trial records step 0 only
+    assert _skipping(6, ["nan"] + [None] * 5) == Decision("fail", 0, "skipped_steps")
+    assert _skipping(4, ["nan", "finite", None, "nan"]) == Decision("fail", 0, "skipped_steps")
+
+
+@pytest.mark.parametrize("n,grads,losses,taken", [
+    (8, ["inf"] + ["nan"] * 7, None, ()),            # an Inf: the scale overflowed too
+    (8, ["nan"] * 7 + ["inf"], None, ()),
+    (3, ["nan"] * 3, None, ()),                      # fewer than NAN_SKIPS
+    (8, ["nan"] * 8, None, (7,)),                    # a step was taken: the backoffs ended
+    (8, [None] * 8, None, ()),                       # nothing recorded
+    (8, ["finite"] * 8, None, ()),
+    (8, ["nan"] * 8, [1.0, NAN] + [1.0] * 6, ()),    # a non-finite loss: not this rule's
+])
+def test_skips_that_are_not_nan_only_stay_start_up_backoffs(n, grads, losses, taken):
+    assert _skipping(n, grads, losses, taken).outcome == "pass"
+
+
+def test_grads_observation_is_checked():
+    with pytest.raises(ValueError, match="grads="):
+        Oracle().observe(0, 1.0, 1.0, False, True, "NaN")
+
+
 def test_nan_streak_shorter_than_k_passes():
     losses = [1.0] * 30
     losses[10] = losses[11] = NAN

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..formats import Format, get_format
-from ..oracle import Decision, Oracle, OracleConfig, trailing_nonfinite_start
+from ..oracle import NAN_SKIPS, Decision, Oracle, OracleConfig, trailing_nonfinite_start
 from ..trace import TraceReader, _pid_alive, _rank_of, find_traces
 
 KIND_TITLES = {
@@ -197,7 +197,24 @@ def _aggregate(reader: TraceReader, fmt: Format, layers: dict[int, dict]) -> lis
     return rows
 
 
-def _diagnose(timeline: list[dict], events: list[dict], meta: dict) -> Diagnosis:
+def never_stepped(timeline: list[dict]) -> bool:
+    """A GradScaler skipped every step of the run, each with a finite loss: no optimizer step was taken,
+    and the run ended inside what may be its start-up backoffs."""
+    return bool(timeline) and all(t.get("skipped") and (t.get("loss") is None or math.isfinite(t["loss"]))
+                                  for t in timeline)
+
+
+def nan_without_inf(rows: list[LayerRow]) -> bool:
+    """The recorded gradients held NaN but no Inf. A loss scale too high for the gradients makes them
+    overflow, to Inf in a half-precision tensor (a value past fp16's max in an FP32 gradient skips no
+    step); NaN alone comes from an invalid operation (inf*0, inf-inf, 0/0) in a layer's backward, at
+    any scale. (The oracle's ``grads="nan"`` over the whole run: see
+    :meth:`ampdoctor.oracle.Oracle.nan_skips`.)"""
+    grads = [r for r in rows if r.kind in ("gradient", "weight_grad")]
+    return any(r.nan for r in grads) and not any(r.inf for r in grads)
+
+
+def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[LayerRow] | None = None) -> Diagnosis:
     oracle = Oracle(OracleConfig())
     decision = None
     for t in timeline:
@@ -216,6 +233,12 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict) -> Diagnosis
     if decision is None and tail is not None:
         # the run ended inside a streak of non-finite losses, shorter than the oracle's K: still broken
         decision = Decision("fail", tail, "nonfinite_loss")
+    stuck = decision is None and never_stepped(timeline)
+    nan_skips = stuck and rows is not None and len(timeline) >= NAN_SKIPS and nan_without_inf(rows)
+    if nan_skips:
+        # every step skipped for a NaN in the gradients that no scale made (see nan_without_inf): not
+        # start-up backoffs, however few the steps are next to the oracle's start-up grace
+        decision = Decision("fail", timeline[0]["step"], "skipped_steps")
     fwd_events = [e for e in events if e["kind"] == "first_nonfinite" and e["detail"].get("kind") == "activation"]
     if decision is None and meta.get("status") == "crashed" and fwd_events:
         # the script raised after its forward went non-finite (`if loss.isnan(): raise`): the loss of
@@ -236,7 +259,14 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict) -> Diagnosis
             "skipped_steps": "the GradScaler skipped most steps (persistent gradient overflow)",
             "divergence": "the loss diverged",
         }.get(decision.reason, decision.reason)
+        if nan_skips:
+            how = (f"the GradScaler skipped all {len(timeline)} steps, and their gradients held NaN without any "
+                   "Inf (an invalid operation in the backward, not a loss scale too high)")
         lines.append(f"Training broke at step {decision.step}: {how}.")
+    elif stuck:
+        lines.append(f"Training did not break in the {len(timeline)} steps seen, but took no optimizer step: the "
+                     "GradScaler skipped every one. Run more steps to tell start-up backoffs, which end once the "
+                     "scale fits the gradients, from a failure.")
     else:
         lines.append(f"Training did not break in the {len(timeline)} steps seen.")
     if fn is not None:
@@ -367,7 +397,7 @@ def build_report(path: str | Path, *, rank: int = 0) -> Report:
     low = [r for r in rows if r.kind == "activation" and r.dtype in ("float16", "bfloat16")]
     if low:
         meta["activation_dtype"] = max(("float16", "bfloat16"), key=lambda d: sum(r.numel for r in low if r.dtype == d))
-    diagnosis = _diagnose(timeline, events, meta)
+    diagnosis = _diagnose(timeline, events, meta, rows)
     report = Report(trace=str(trace), format=fmt.name, meta=meta, diagnosis=diagnosis, layers=rows,
                     timeline=timeline, events=[e for e in events if e["kind"] != "grad_nonfinite"][:200], notes=notes)
     report.module_types = {row["name"]: row["type"] for row in layers.values() if row.get("type")}

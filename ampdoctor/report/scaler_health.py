@@ -1,5 +1,6 @@
 """GradScaler health from the recorded scale and skipped steps: :func:`scaler_health` classifies
-the run (healthy, start-up backoffs, occasional/frequent/persistent overflow, collapse, huge),
+the run (healthy, start-up backoffs, occasional/frequent/persistent overflow, collapse, huge, every
+step skipped),
 :func:`scaler_advice` says what that means and what to change."""
 
 from __future__ import annotations
@@ -7,8 +8,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..oracle import NAN_SKIPS
 from .lossscale import LossScaleAnalysis
-from .model import Report
+from .model import Report, nan_without_inf, never_stepped
 from .phrasing import pow2, scale_literal
 
 __all__ = ["HUGE_SCALE", "ScalerHealth", "scaler_health", "scaler_advice"]
@@ -19,7 +21,10 @@ HUGE_SCALE = 2.0 ** 32    # a scale this large means the gradients are tiny, or 
 @dataclass
 class ScalerHealth:
     """The GradScaler's record: ``state`` is one of the classes above ("none": no GradScaler ran)."""
-    state: str            # none | healthy | startup | occasional | frequent | persistent | collapse | huge
+    # none | healthy | startup | occasional | frequent | persistent | collapse | huge | unsettled (every step
+    # skipped, the scale still >= 1: start-up backoffs that had not ended, or a failure) | nan (every step
+    # skipped, the gradients NaN without Inf: not the scale)
+    state: str
     steps: int
     skipped: int
     startup_backoffs: int
@@ -49,6 +54,10 @@ def scaler_health(report: Report) -> ScalerHealth:
     tail = after[-10:]
     if min(scales) < 1.0:
         state = "collapse"
+    elif never_stepped(tl) and len(tl) >= NAN_SKIPS and nan_without_inf(report.layers):
+        state = "nan"
+    elif never_stepped(tl):
+        state = "unsettled"
     elif len(tail) >= 5 and sum(tail) > len(tail) / 2:
         state = "persistent"
     elif max(scales) >= HUGE_SCALE:
@@ -85,6 +94,18 @@ def scaler_advice(report: Report, h: ScalerHealth, ls: LossScaleAnalysis | None)
         return [f"{base}, {h.skipped_after_startup} after start-up and most of the last 10: persistent overflow. The scale "
                 f"fell to {lg(h.last_scale)} without the overflow stopping: a layer produces Inf/NaN (see the culprit), "
                 "or the gradients span more binades than the format holds." + forward]
+    if h.state == "nan":
+        return [f"{base} and none taken; the scale fell from {lg(h.first_scale)} to {lg(h.min_scale)} without the skips "
+                "stopping. These are not start-up backoffs: the gradients held NaN but no Inf, "
+                "and a scale too high for the gradients makes them overflow to Inf, not NaN. NaN comes from an invalid "
+                "operation in a layer's backward (inf*0, inf-inf, 0/0; often a value that overflowed inside its forward, "
+                "such as `x ** 3`), at any scale: fix that layer (above); a lower init_scale will not help."]
+    if h.state == "unsettled":
+        return [f"{base} and none taken yet; the scale fell from {lg(h.first_scale)} to {lg(h.min_scale)}. Start-up "
+                "backoffs end once the scale fits the gradients, usually within a few steps; these had not ended "
+                "when the run did. Run more steps to tell them from a failure (more than 20 in a row count as one)"
+                + (f"; `GradScaler(init_scale={scale_literal(ls.k_rec)})` would start where the recorded gradients "
+                   "fit." if ls and ls.feasible else ".")]
     out = []
     if h.startup_backoffs:
         out.append(f"{base}: {h.startup_backoffs} start-up backoffs ({lg(h.first_scale)} -> "
