@@ -22,6 +22,23 @@ def _script_args(args: Sequence[str]) -> list[str]:
     return args[1:] if args and args[0] == "--" else args
 
 
+def misplaced_options(command: click.Command, args: Sequence[str]) -> str:
+    """A hint for a script that failed or never trained: ``args`` (the script's) hold options of
+    ``command`` (``--out``, ``--max-steps=5``), which went to the script because they came after
+    its name. Empty when they hold none (a script may take options of the same name)."""
+    ours = {o for p in command.params for o in p.opts if o.startswith("--") and o != "--help"}
+    found = []
+    for a in args:
+        name = a.split("=", 1)[0]
+        if name in ours and name not in found:
+            found.append(name)
+    if not found:
+        return ""
+    return (f" {', '.join(f'`{n}`' for n in found)} came after the script's name, so the script got "
+            f"{'it' if len(found) == 1 else 'them'}: ampdoctor's own options go before the script "
+            f"(`ampdoctor {command.name} {found[0]} ... script.py ARGS`).")
+
+
 def default_out(script: str, command: str) -> Path:
     stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     base = Path("ampdoctor-runs") / f"{Path(script).stem}-{command}-{stamp}"
@@ -155,6 +172,10 @@ def run(out, fmt, every, max_steps, all_modules, nproc, json_path, html_path, so
         raise click.UsageError(str(e)) from None
     finally:
         os.chdir(cwd)  # a script that changed directory: --out, --json, --html are relative to where we were started
+    args = _script_args(script_args)
+    if not result.trained and result.status == "finished" and {"-h", "--help"} & set(args):
+        click.echo(f"ampdoctor: {script} printed its help and trained nothing (nothing recorded).", err=True)
+        sys.exit(0)
     report = build_report(result.trace)
     _print_report(report, sort, top, only_bad, match, kinds)
     _write_outputs(report, json_path, html_path, None, out_dir)
@@ -169,7 +190,8 @@ def run(out, fmt, every, max_steps, all_modules, nproc, json_path, html_path, so
         sys.exit(0)
     if not result.trained:
         click.echo(f"ampdoctor: {script} never trained: no optimizer.step() or GradScaler.update() ran. Check that the "
-                   "script runs its training loop with these arguments (pass them after the script name).", err=True)
+                   "script runs its training loop with these arguments (pass them after the script name)."
+                   + misplaced_options(run, args), err=True)
         sys.exit(result.exit_code or EXIT_NEVER_TRAINED)
     sys.exit(result.exit_code)
 

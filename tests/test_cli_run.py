@@ -77,6 +77,26 @@ def test_script_that_never_trains(tmp_path):
     assert "never trained" in p.stderr
 
 
+def test_scripts_help_is_not_a_run_that_never_trained(tmp_path):
+    p = amp("run", "--out", tmp_path / "run", SCRIPTS / "no_watch_overflow.py", "-h")
+    assert p.returncode == 0, p.stderr  # was 3, with "never trained" and an empty report
+    assert "usage:" in p.stdout and "--steps" in p.stdout
+    assert "printed its help" in p.stderr and "never trained" not in p.stderr and "Diagnosis" not in p.stdout
+
+
+def test_ampdoctor_options_after_the_script_name_get_a_hint(tmp_path):
+    out = tmp_path / "run"
+    p = amp("run", SCRIPTS / "no_watch_overflow.py", "--out", out, "--max-steps=3", cwd=tmp_path)
+    assert p.returncode == 2 and "unrecognized arguments" in p.stderr, p.stderr  # the script's argparse
+    assert "`--out`, `--max-steps` came after the script's name, so the script got them" in p.stderr, p.stderr
+    assert "ampdoctor run --out ... script.py ARGS" in p.stderr
+    p = amp("bisect", SCRIPTS / "no_watch_overflow.py", "--no-drill", cwd=tmp_path, timeout=300)
+    assert p.returncode == 1 and "`--no-drill` came after the script's name" in p.stdout, p.stdout + p.stderr
+    # the script's own options of other names: no hint
+    p = amp("run", "--out", out, SCRIPTS / "no_watch_overflow.py", "--bogus", cwd=tmp_path)
+    assert p.returncode == 2 and "came after the script's name" not in p.stderr
+
+
 def test_sigkill_leaves_readable_trace(tmp_path):
     out = tmp_path / "run"
     p = amp("run", "--out", out, SCRIPTS / "killed.py", "--", "--kill-at", "10")

@@ -96,7 +96,7 @@ def bisect_command(out, json_path, fmt, jobs, repeat, timeout, max_steps, margin
 
     Options go before SCRIPT; everything after it (or after `--`) is the script's own.
     Exit status: 0 culprit or healthy, 1 error, 2 usage, 3 not_precision, 4 inconclusive."""
-    from ..cli import _script_args, default_out
+    from ..cli import _script_args, default_out, misplaced_options
     from ..runner import script_problem
     from .driver import BisectOptions, run_bisect
 
@@ -116,8 +116,13 @@ def bisect_command(out, json_path, fmt, jobs, repeat, timeout, max_steps, margin
                          repeat=repeat, drill=not no_drill, max_trials=max_trials, divergence=divergence,
                          use_hints=not no_hints, nproc=nproc, fork=True)  # this process ran no torch op
     click.echo(f"ampdoctor bisect: {script} (run folder {out_dir})", err=True)
-    res = run_bisect(script, _script_args(script_args), out_dir, opts, progress=_progress)
+    args = _script_args(script_args)
+    res = run_bisect(script, args, out_dir, opts, progress=_progress)
     click.echo(_summary(res))
+    if res["verdict"] in ("error", "healthy"):
+        hint = misplaced_options(click.get_current_context().command, args)
+        if hint:
+            click.echo("note:" + hint)
     if json_path:
         try:
             Path(json_path).parent.mkdir(parents=True, exist_ok=True)
