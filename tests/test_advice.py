@@ -156,6 +156,18 @@ def test_a_run_that_skipped_every_step_is_not_told_its_backoffs_are_normal(tmp_p
     assert "5 start-up backoffs" in "\n".join(rep.advice)
 
 
+def test_another_ranks_line_judges_nan_only_skips_as_its_own_report_would(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    scales = [2.0 ** (15 - i) for i in range(8)]
+    synthetic_trace(run / "trace.rank0.sqlite", grad_exps=[(-4, 10)], scales=[2.0 ** 16] * 8)
+    synthetic_trace(run / "trace.rank1.sqlite", grad_exps=[(-4, 10)], scales=scales, skipped=[1] * 8, grad_nan=5)
+    rep = build_report(run)
+    assert not rep.diagnosis.broke
+    (line,) = [n for n in rep.notes if n.startswith("rank ")]
+    assert "Training broke at step 0: the GradScaler skipped all 8 steps" in line, line
+
+
 def test_module_expr():
     assert module_expr("blocks.1.attn") == "model.blocks[1].attn"
     assert module_expr("net.2") == "model.net[2]"

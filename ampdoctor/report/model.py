@@ -366,10 +366,13 @@ def _other_ranks(files: list[Path], shown: Path) -> list[str]:
         try:
             with TraceReader(f) as r:
                 meta, timeline, events = r.meta(), r.steps(), r.events()
+                rows = None
+                if never_stepped(timeline):  # whether its gradients held NaN without Inf decides (see _diagnose)
+                    rows = _aggregate(r, get_format(meta.get("format", "fp16")), {row["id"]: row for row in r.layers()})
         except (OSError, ValueError) as e:
             notes.append(f"{f.name}: unreadable ({e})")
             continue
-        d = _diagnose(timeline, events, meta)
+        d = _diagnose(timeline, events, meta, rows)
         notes.append(f"rank {meta.get('rank', '?')} ({f.name}): " + " ".join(d.lines[:2]))
     return notes
 
