@@ -454,3 +454,36 @@ def test_headroom_of_a_layer_with_no_finite_value_is_not_infinite(tmp_path):
     assert rep.diagnosis.first_nonfinite["layer"] == "2"
     text = "\n".join(culprit_advice(rep))
     assert "its output held no finite value (every value NaN, 12 NaN values" in text and "Inf" not in text, text
+
+
+def test_a_scale_that_only_fell_is_not_told_it_keeps_growing_into_overflow(tmp_path):
+    """A 4-step run whose forward overflowed from step 0 (the loss NaN every step, the scale only halving)
+    was told "the scale keeps growing into overflow. A longer growth_interval ... skips fewer steps"."""
+    scales = [2.0 ** (15 - i) for i in range(4)]
+    p = synthetic_trace(tmp_path / "nan.sqlite", grad_exps=[(-4, 10)], scales=scales, skipped=[1] * 4,
+                        losses=[float("nan")] * 4)
+    rep = build_report(p)
+    h = scaler_health(rep)
+    assert (h.state, h.nonfinite_loss_skips, h.overflow_after_startup) == ("forward", 4, 0)
+    text = "\n".join(rep.advice)
+    assert "keeps growing" not in text and "growth_interval" not in text, text
+    assert "GradScaler: 4 of 4 steps skipped. The loss itself was NaN/Inf in 4 of the skipped steps" in text, text
+    # finite losses, one step taken, then three skips while the scale only fell: persistent, not frequent
+    p = synthetic_trace(tmp_path / "fell.sqlite", grad_exps=[(-4, 10)], scales=[2.0 ** 16] + scales[1:],
+                        skipped=[0, 1, 1, 1])
+    h = scaler_health(build_report(p))
+    assert (h.state, h.overflow_after_startup) == ("persistent", 3)
+
+
+def test_a_scale_that_grows_back_into_overflow_is_frequent(tmp_path):
+    # growth every 8 steps, each growth skipped at the next step: 4 skips in 40, 1 in the last 10
+    scales, skipped = [], []
+    for i in range(40):
+        grow, skip = i % 8 == 6, i % 8 == 7
+        scales.append(2.0 ** 17 if grow else 2.0 ** 16)
+        skipped.append(int(skip))
+    p = synthetic_trace(tmp_path / "t.sqlite", grad_exps=[(-4, 10)], scales=scales, skipped=skipped)
+    rep = build_report(p)
+    h = scaler_health(rep)
+    assert (h.state, h.overflow_after_startup) == ("frequent", 5)
+    assert any("keeps growing into overflow" in a for a in rep.advice)

@@ -1,6 +1,6 @@
 """GradScaler health from the recorded scale and skipped steps: :func:`scaler_health` classifies
 the run (healthy, start-up backoffs, occasional/frequent/persistent overflow, collapse, huge, every
-step skipped),
+step skipped, skips only where the forward broke),
 :func:`scaler_advice` says what that means and what to change."""
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ class ScalerHealth:
     """The GradScaler's record: ``state`` is one of the classes above ("none": no GradScaler ran)."""
     # none | healthy | startup | occasional | frequent | persistent | collapse | huge | unsettled (every step
     # skipped, the scale still >= 1: start-up backoffs that had not ended, or a failure) | nan (every step
-    # skipped, the gradients NaN without Inf: not the scale)
+    # skipped, the gradients NaN without Inf: not the scale) | forward (the only skips after start-up had a
+    # NaN/Inf loss: the forward broke, the scale did not overflow)
     state: str
     steps: int
     skipped: int
@@ -34,6 +35,7 @@ class ScalerHealth:
     min_scale: float | None
     max_scale: float | None
     nonfinite_loss_skips: int = 0  # skipped steps whose loss itself was NaN/Inf (the forward broke, not the scale)
+    overflow_after_startup: int = 0  # skipped steps after start-up with a finite loss: the scaled gradients overflowed
 
 
 def scaler_health(report: Report) -> ScalerHealth:
@@ -51,6 +53,10 @@ def scaler_health(report: Report) -> ScalerHealth:
         startup += 1
     after = skipped[startup:]
     n_after = sum(after)
+    # only a skip with a finite loss is the scale's own overflow; "keeps growing into overflow" also needs
+    # the scale to have grown at all (a run whose scale only fell was never told to grow more slowly)
+    n_overflow = sum(1 for s, ok in zip(after, loss_ok[startup:]) if s and ok)
+    grew = any(b > a for a, b in zip(scales, scales[1:]))
     tail = after[-10:]
     if min(scales) < 1.0:
         state = "collapse"
@@ -62,17 +68,21 @@ def scaler_health(report: Report) -> ScalerHealth:
         state = "persistent"
     elif max(scales) >= HUGE_SCALE:
         state = "huge"
-    elif n_after > max(2, 0.05 * len(after)):
-        state = "frequent"
-    elif n_after:
+    elif n_overflow > max(2, 0.05 * len(after)):
+        # skipped again and again: into a scale that grew back, or (too few steps for the tail's rule) while it
+        # only fell
+        state = "frequent" if grew else "persistent"
+    elif n_overflow:
         state = "occasional"
+    elif bad_loss:
+        state = "forward"
     elif startup:
         state = "startup"
     else:
         state = "healthy"
     first = scales[0] * (2.0 if skipped and skipped[0] else 1.0)
     return ScalerHealth(state, len(tl), sum(skipped), startup, n_after, first, scales[-1], min(scales), max(scales),
-                        bad_loss)
+                        bad_loss, n_overflow)
 
 
 def scaler_advice(report: Report, h: ScalerHealth, ls: LossScaleAnalysis | None) -> list[str]:
@@ -113,18 +123,21 @@ def scaler_advice(report: Report, h: ScalerHealth, ls: LossScaleAnalysis | None)
                    + (f"`GradScaler(init_scale={scale_literal(ls.k_rec)})` avoids them." if ls and ls.feasible
                       else "a lower init_scale avoids them."))
     if h.state == "occasional":
-        out.append(f"{base}, {h.skipped_after_startup} after start-up: occasional overflow that the scaler backs off "
+        finite = " with a finite loss" if h.nonfinite_loss_skips else ""
+        out.append(f"{base}, {h.overflow_after_startup}{finite} after start-up: occasional overflow that the scaler backs off "
                    f"from (scale {lg(h.first_scale)} -> {lg(h.last_scale)})"
                    + ("." if h.nonfinite_loss_skips else "; normal for a dynamic loss scale."))
     if h.state == "frequent":
-        out.append(f"GradScaler skipped {h.skipped_after_startup} steps after start-up: the scale keeps growing into "
+        out.append(f"GradScaler skipped {h.overflow_after_startup} steps after start-up: the scale keeps growing into "
                    "overflow. A longer growth_interval (e.g. `GradScaler(growth_interval=4000)`) skips fewer steps"
                    + (f"; the recorded gradients tolerate at most {pow2(ls.k_hi)}." if ls else "."))
     if h.state == "huge":
         out.append(f"GradScaler's scale grew to {lg(h.max_scale)}: the gradients are tiny (or a skipped-step check never "
                    "fires). Harmless while the scaled loss stays finite; a larger `GradScaler(growth_interval=...)`, or "
                    "a smaller init_scale, keeps it in range.")
-    if forward and h.state in ("occasional", "frequent", "huge"):
+    if h.state == "forward":
+        out.append(f"{base}." + forward)
+    elif forward and h.state in ("occasional", "frequent", "huge"):
         out.append(forward.strip())
     if h.state == "healthy" and not out:
         out.append(f"{base}; scale {lg(h.first_scale)} -> {lg(h.last_scale)}: healthy.")
