@@ -49,10 +49,39 @@ def default_out(script: str, command: str) -> Path:
     return out
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stderr`` is when a record comes (a script may replace it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
 def _setup_logging(verbose: int) -> None:
+    """Our messages go to stderr through a handler on the ``ampdoctor`` logger only. The root logger is
+    the script's: ``ampdoctor run`` executes it in this process, and a ``logging.basicConfig`` of ours
+    would make the script's own a no-op (its INFO lines gone) and print its libraries' records twice.
+    Undone when the command ends."""
     level = logging.WARNING if verbose == 0 else (logging.INFO if verbose == 1 else logging.DEBUG)
-    logging.basicConfig(level=level, format="%(name)s: %(message)s", stream=sys.stderr)
-    logging.getLogger("ampdoctor").setLevel(level)
+    logger = logging.getLogger("ampdoctor")
+    saved = (logger.level, logger.propagate)
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
+
+    def undo() -> None:
+        logger.removeHandler(handler)
+        logger.level, logger.propagate = saved
+
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:
+        ctx.call_on_close(undo)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

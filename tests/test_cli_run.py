@@ -97,6 +97,21 @@ def test_ampdoctor_options_after_the_script_name_get_a_hint(tmp_path):
     assert p.returncode == 2 and "came after the script's name" not in p.stderr
 
 
+def test_the_scripts_own_logging_setup_works_under_run(tmp_path):
+    """We called logging.basicConfig on the root logger, so the script's own was a no-op: its INFO lines
+    vanished (and Lightning's printed twice)."""
+    script = tmp_path / "logs.py"
+    script.write_text("import logging\n"
+                      "logging.basicConfig(level=logging.INFO, format='SCRIPT %(name)s %(message)s')\n"
+                      "logging.getLogger('mylib').info('hello from the script')\n"
+                      "logging.getLogger('mylib').warning('a warning')\n")
+    p = amp("run", "--out", tmp_path / "run", script)
+    assert p.returncode == 3, p.stderr  # never trained
+    assert p.stderr.count("SCRIPT mylib hello from the script") == 1, p.stderr
+    assert p.stderr.count("a warning") == 1, p.stderr
+    assert "never trained" in p.stderr
+
+
 def test_sigkill_leaves_readable_trace(tmp_path):
     out = tmp_path / "run"
     p = amp("run", "--out", out, SCRIPTS / "killed.py", "--", "--kill-at", "10")
