@@ -221,6 +221,32 @@ class Session:
         self._scale_after: torch.Tensor | None = None
         self._skipped: torch.Tensor | None = None
         self._active = False
+        # Before the first backward pass: outermost watched calls so far this step all ran with gradients
+        # disabled (a sanity-check validation, a model summary's example forward), and none with them
+        # enabled (see outermost_call)
+        self._provisional = False
+        self._grad_call = False
+
+    def outermost_call(self, grad: bool) -> None:
+        """An outermost watched module call starts, before any backward pass has run. Calls with gradients
+        disabled are recorded provisionally: evaluation before training (Lightning's sanity-check
+        validation, a summary's example forward) when a call with gradients enabled follows in the same
+        step (their rows are dropped then, as evaluation is once training has started), an inference-only
+        watch or an FP16 readiness check when none does."""
+        if grad:
+            if self._provisional:
+                self._drop_provisional()
+            self._grad_call = True
+        elif not self._grad_call:
+            self._provisional = True
+
+    def _drop_provisional(self) -> None:
+        self._rows = StepRows(self._row_policy)
+        self._row_meta = self._rows.meta
+        self._flags, self._flag_meta = [], []
+        self._calls = {}
+        self._active = False
+        self._provisional = False
 
     def mark_order(self, lid: int) -> None:
         """First time a module starts its forward: its place in execution (pre-)order."""
@@ -343,6 +369,8 @@ class Session:
 
     # -- what the step tracker reports -----------------------------------------------------
     def on_backward(self, tensors: Any) -> None:
+        if self._provisional and not self.trained:
+            self._drop_provisional()  # the watched calls of this step were evaluation; training is not watched
         self._active = True
         self.trained = True
         self._outer_next = outer = torch._C._current_graph_task_id() == -1  # not called from inside a backward

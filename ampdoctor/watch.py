@@ -379,6 +379,8 @@ class Watch:
             if not self._depth and s.trained and not _grad_enabled():
                 self._eval = lid  # an outermost call with gradients disabled after training started: evaluation
                 return
+            if not self._depth and not s.trained:
+                s.outermost_call(_grad_enabled())  # before any backward: is it evaluation? (see Session.outermost_call)
             self._depth += 1
             if layer.ord is None:
                 s.mark_order(lid)
@@ -546,8 +548,8 @@ class Watch:
         def post(mod: nn.Module, args: Any, out: Any) -> None:
             if _is_compiling():
                 return traced(mod, args, out)
-            if self._removed or s.closed or _in_backward():
-                return
+            if self._removed or s.closed or _in_backward() or (s.trained and not _grad_enabled()):
+                return  # (an evaluation call's output says nothing of training)
             flag = _nonfinite_flag([t for _, t in floating(iter_tensors(out)) if t.numel()])
             if flag is not None:
                 s.last_output_nonfinite = (s.step, flag)

@@ -591,7 +591,9 @@ def test_evaluation_forwards_are_not_recorded_into_training_steps(tmp_path):
     torch.no_grad()) is evaluation: not recorded, so the training step's rows keep the training
     forward's dtypes, values and call count. A no-grad region inside the training forward (a frozen
     part run under torch.no_grad(), reentrant checkpointing) is still recorded, with a note that it
-    has no gradient rows; no-grad calls before any training (an inference-only watch) are recorded."""
+    has no gradient rows. No-grad calls before any training are evaluation too once a training call
+    follows in the same step (Lightning's sanity check); an inference-only watch records them (see
+    test_no_grad_calls_before_training)."""
     class Net(nn.Module):
         def __init__(self):
             super().__init__()
@@ -616,7 +618,7 @@ def test_evaluation_forwards_are_not_recorded_into_training_steps(tmp_path):
 
     w = ampdoctor.watch(model, trace=str(path))
     with torch.no_grad():
-        model(val)  # before any training: recorded (step 0, call 0)
+        model(val)  # before any training, and a training call follows: evaluation
     train(model, 3, make_x=make_x)
     w.remove()
     r = TraceReader(path)
@@ -625,8 +627,9 @@ def test_evaluation_forwards_are_not_recorded_into_training_steps(tmp_path):
     calls = {}
     for s in rows:
         calls.setdefault((s["step"], names[s["layer"]]), []).append(s["call"])
-    # step 0: the inference-only call and the validation call before the first backward, then training
-    assert calls[(0, "body")] == [0, 1, 2]
+    # step 0: the two no-grad calls before the first backward were evaluation (they were recorded as
+    # calls 0 and 1, the training forward as call 2)
+    assert calls[(0, "body")] == [0]
     assert calls[(1, "body")] == [0] and calls[(2, "body")] == [0]  # validation after training started: not recorded
     assert calls[(1, "frozen")] == [0]  # the frozen part of the training forward: recorded
     assert {s["dtype"] for s in rows if s["step"] > 0 and names[s["layer"]] == "body"} == {"float16"}
@@ -634,6 +637,48 @@ def test_evaluation_forwards_are_not_recorded_into_training_steps(tmp_path):
     assert len(notes) == 1 and "gradients disabled" in notes[0]["detail"]["message"]
     assert not [e for e in r.events("note") if e["layer"] in ("body", "head")]
     assert {names[s["layer"]] for s in r.stats(kind="gradient")} == {"body", "head"}
+
+
+def test_no_grad_calls_before_training(tmp_path):
+    """Lightning's sanity-check validation (and a summary's example forward) runs the model under
+    torch.no_grad() before the first training step. Its calls were recorded into step 0: a
+    validation batch that overflowed made the first layer "the first non-finite producer, at step 0",
+    though training broke at step 2 in another layer. An inference-only watch still records them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 1))
+    with torch.no_grad():
+        model[0].weight.fill_(0.1), model[0].bias.zero_()
+        model[2].weight.fill_(0.5), model[2].bias.zero_()
+
+    def make_x(i):  # model[0] gives 0.8 x (2.4e4 at step 2: finite); model[2] 3.2 x that (inf at step 2)
+        return torch.full((4, 8), 1.0 if i < 2 else 3e4)
+
+    path = tmp_path / "t.sqlite"
+    with ampdoctor.watch(model, trace=str(path)):
+        model.eval()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+            for _ in range(2):
+                model(torch.full((4, 8), 1e5))  # sanity-check batches: model[0] overflows
+        model.train()
+        train(model, 3, make_x=make_x)
+    r = TraceReader(path)
+    names = {v["id"]: v["name"] for v in r.layers()}
+    step0 = [s for s in r.stats(kind="activation") if s["step"] == 0]
+    assert step0 and {s["call"] for s in step0} == {0}
+    assert not any(s["nan"] or s["posinf"] or s["neginf"] for s in step0)
+    ev = [e for e in r.events("first_nonfinite") if e["detail"]["kind"] == "activation"]
+    assert ev and (ev[0]["step"], ev[0]["layer"]) == (2, "2"), ev
+
+    # only inference: recorded (one partial step), with the overflow it shows
+    model2 = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    with ampdoctor.watch(model2, trace=str(tmp_path / "i.sqlite")), torch.no_grad():
+        model2(torch.full((4, 8), 1e6).half().float())
+        model2(torch.ones(4, 8))
+    r = TraceReader(tmp_path / "i.sqlite")
+    names = {v["id"]: v["name"] for v in r.layers()}
+    rows = r.stats(kind="activation")
+    assert sorted((names[s["layer"]], s["call"]) for s in rows) == [("0", 0), ("0", 1), ("1", 0), ("1", 1),
+                                                                    ("2", 0), ("2", 1)]
 
 
 def test_evaluation_through_a_part_of_the_model_is_not_recorded(tmp_path):
