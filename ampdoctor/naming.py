@@ -60,3 +60,31 @@ def wrapped_hint(wrapper: str | None) -> str:
     return (f" (`model` is the module inside {wrapper}: call it before wrapping the model, or write "
             "`wrapped.module` for `model` under autocast; a pure .half()/.bfloat16() model must be fixed "
             "before wrapping, since keep_fp32 changes parameter dtypes the wrapper has already bucketed)")
+
+
+def half_weights_under(name: str, half_weights: Mapping[str, str]) -> str | None:
+    """The half dtype of the weights stored under module ``name`` (a pure ``.half()``/``.bfloat16()``
+    model: ``half_weights`` maps layer names to the dtype of their float16/bfloat16 weights), or None."""
+    return next((dt for n, dt in half_weights.items()
+                 if name in ("", "(root)") or n == name or n.startswith(name + ".")), None)
+
+
+def plain_fix(path: str, half: str | None, kind: str | None = None, library: bool = True) -> str:
+    """The plain-PyTorch equivalent of ``keep_fp32`` for the module at ``path``: autocast off around its
+    call on an FP32 input; where its weights are stored in ``half`` precision (no autocast to turn off),
+    the module converted to FP32 once and its input and output cast where it is called. ``library``:
+    whether ``kind`` is a torch.nn class (else the body of its forward is what to change)."""
+    if half:
+        return (f"its weights are {half}, so there is no autocast to turn off: `{path}.float()` once (before "
+                f"building the optimizer), and where it is called `y = {path}(x.float()).to(x.dtype)`")
+    if library or kind is None:
+        return f"where {path} is called, `with torch.autocast(x.device.type, enabled=False): y = {path}(x.float())`"
+    return (f"in {kind}.forward, run the body under `with torch.autocast(x.device.type, enabled=False):` on "
+            "`x = x.float()` (and cast the result back if the next layer needs it)")
+
+
+def is_torch_module(kind: str | None) -> bool:
+    """Whether ``kind`` (a class name from the trace) names a torch.nn module class."""
+    import torch.nn as nn
+
+    return bool(kind) and isinstance(getattr(nn, kind, None), type)

@@ -487,3 +487,44 @@ def test_a_scale_that_grows_back_into_overflow_is_frequent(tmp_path):
     h = scaler_health(rep)
     assert (h.state, h.overflow_after_startup) == ("frequent", 5)
     assert any("keeps growing into overflow" in a for a in rep.advice)
+
+
+def test_fix_of_a_pure_half_model_does_not_turn_autocast_off(tmp_path):
+    """A pure ``.half()`` model has no autocast to turn off: the report's plain-PyTorch fix said
+    ``with torch.autocast(..., enabled=False): out = layer(x.float())``, which fails there (a float32
+    input to float16 weights). It says to convert the layer to FP32 and cast around its call, as
+    bisect's fix does, in the terminal advice and in the HTML fix section."""
+    import torch
+    from torch import nn
+
+    import ampdoctor
+    from ampdoctor.report.html import render_html
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 1))
+    with torch.no_grad():
+        model[1].weight.mul_(1000.0)
+    model.half()
+    opt = torch.optim.SGD(model.parameters(), 1e-4)
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")):
+        for _ in range(3):
+            x = (torch.randn(16, 4) * 100).half()
+            loss = model(x).float().pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = build_report(tmp_path / "t.sqlite")
+    assert (report.diagnosis.first_nonfinite or {}).get("layer") == "1", report.diagnosis
+    fix = next(a for a in report.advice if "keep_fp32(model[1])" in a)
+    assert "autocast(" not in fix and "`model[1].float()` once" in fix, fix
+    assert "`y = model[1](x.float()).to(x.dtype)`" in fix and "float16" in fix, fix
+    page = render_html(report)
+    section = page[page.index('id="fix"'):]
+    section = section[:section.index("</section>")]
+    assert "enabled=False" not in section and "model[1].float()" in section and ".to(x.dtype)" in section, section
+
+    # the recipe works: the layer in FP32 between half layers, its output cast back
+    model[1].float()
+    h = model[0](x)
+    y = model[1](h.float()).to(h.dtype)
+    assert y.dtype == torch.float16 and model[1].weight.dtype == torch.float32

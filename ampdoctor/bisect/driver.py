@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..naming import module_expr, wrapped_hint
+from ..naming import half_weights_under, is_torch_module, module_expr, plain_fix, wrapped_hint
 from ..oracle import OracleConfig
 from ..trace import TraceReader
 from .candidates import Baseline, read_baseline
@@ -81,8 +81,6 @@ def fix_snippets(culprits: Sequence[str], types: dict[str, str], ops: list[dict]
     it, or, where its weights are stored in half precision (``half_weights``: a pure ``.half()``
     model, no autocast to turn off), the module in FP32 with its input and output cast), and what
     the drill-down's first ops say."""
-    import torch.nn as nn
-
     advice = []
     half_weights = half_weights or {}
     for c in culprits:
@@ -90,16 +88,7 @@ def fix_snippets(culprits: Sequence[str], types: dict[str, str], ops: list[dict]
         kind = types.get(c, "module")
         advice.append(f"Keep {c or 'the whole model'} ({kind}) in FP32: ampdoctor.keep_fp32({path})"
                       + wrapped_hint(wrapper))
-        half = [dt for n, dt in half_weights.items() if c == "" or n == c or n.startswith(c + ".")]
-        if half:
-            advice.append(f"Plain PyTorch (its weights are {half[0]}: no autocast to turn off): `{path}.float()` once "
-                          f"(before building the optimizer), and where it is called `y = {path}(x.float()).to(x.dtype)`")
-        elif isinstance(getattr(nn, kind, None), type):
-            advice.append(f"Plain PyTorch: where {path} is called, `with torch.autocast(x.device.type, enabled=False): "
-                          f"y = {path}(x.float())`")
-        else:
-            advice.append(f"Plain PyTorch: in {kind}.forward, run the body under `with torch.autocast(x.device.type, "
-                          "enabled=False):` on `x = x.float()` (and cast the result back if the next layer needs it)")
+        advice.append("Plain PyTorch: " + plain_fix(path, half_weights_under(c, half_weights), kind, is_torch_module(kind)))
     for o in ops:
         if o.get("pick") != "first":
             continue

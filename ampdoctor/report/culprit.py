@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from ..naming import wrapped_hint, wrapper_of
+from ..naming import half_weights_under, is_torch_module, plain_fix, wrapped_hint, wrapper_of
 from .model import LayerRow, Report
 from .phrasing import fmt_num, module_expr
 
@@ -35,6 +35,12 @@ def _all_fp32(report: Report) -> bool:
     non-finite value was produced in FP32 and keeping a layer in FP32 cannot be the fix."""
     acts = report.rows("activation")
     return bool(acts) and not any(r.dtype in ("float16", "bfloat16") or r.dtype.startswith("float8") for r in acts)
+
+
+def half_weights(report: Report) -> dict[str, str]:
+    """Layer -> dtype of its weights, for the layers whose weights are stored in float16/bfloat16 (a pure
+    ``.half()``/``.bfloat16()`` model: no autocast to turn off around them)."""
+    return {r.layer: r.dtype for r in report.rows("weight") if r.dtype in ("float16", "bfloat16")}
 
 
 def _row(report: Report, layer: str, kind: str) -> LayerRow | None:
@@ -97,8 +103,10 @@ def culprit_advice(report: Report) -> list[str]:
     lines = [f"Keep {', '.join(names)} in FP32 ({why}{'; ' + ev if ev else ''}): "
              + "; ".join(f"`ampdoctor.keep_fp32({module_expr(n, types=report.module_types)})`" for n in names)
              + wrapped_hint(wrapper_of(report.notes))
-             + " — or in plain PyTorch, around that call in forward: "
-             "`with torch.autocast(x.device.type, enabled=False): out = layer(x.float())`"]
+             + " — or in plain PyTorch: " + "; ".join(
+                 plain_fix(module_expr(n, types=report.module_types), half_weights_under(n, half_weights(report)),
+                           report.module_types.get(n), is_torch_module(report.module_types.get(n)))
+                 for n in names)]
     if source == "first_nonfinite":
         lines[0] += (" (a suspect from this run's numbers: `ampdoctor bisect` re-runs the script to check that it "
                      "really fixes training, or finds that FP32 breaks too)")

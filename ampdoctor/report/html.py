@@ -17,7 +17,7 @@ from html import escape
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ..naming import wrapper_of
+from ..naming import half_weights_under, wrapper_of
 from .model import KIND_TITLES, LayerRow, Report
 from .phrasing import fmt_bits as _bits
 from .phrasing import fmt_num as _num
@@ -182,6 +182,7 @@ def _verdict(report: Report) -> str:
 
 def _fix(report: Report, ready: dict | None) -> str:
     from .advice import culprits, module_expr
+    from .culprit import half_weights
     names, source = culprits(report)
     if ready is not None and not names:
         names = sorted({r.layer for r in ready["overflow"].get("activation", [])},
@@ -207,8 +208,15 @@ def _fix(report: Report, ready: dict | None) -> str:
     wrapper = wrapper_of(report.notes)
     if wrapper:
         code += f"\n# model: the module inside {wrapper} (call this before wrapping it, or use wrapped.module under autocast; a pure half model: before wrapping)"
-    plain = ("# or, in plain PyTorch, around the call in forward():\n"
-             "with torch.autocast(device_type=x.device.type, enabled=False):\n    out = layer(x.float())")
+    half = half_weights(report)
+    halves = [(module_expr(n, types=report.module_types), dt) for n in names if (dt := half_weights_under(n, half))]
+    if halves:  # a pure .half()/.bfloat16() model: no autocast to turn off
+        plain = (f"# or, in plain PyTorch (the weights are {halves[0][1]}: there is no autocast to turn off),\n"
+                 "# once, before building the optimizer:\n" + "\n".join(f"{p}.float()" for p, _ in halves)
+                 + "\n# and where it is called:\n" + "\n".join(f"y = {p}(x.float()).to(x.dtype)" for p, _ in halves))
+    else:
+        plain = ("# or, in plain PyTorch, around the call in forward():\n"
+                 "with torch.autocast(device_type=x.device.type, enabled=False):\n    out = layer(x.float())")
     body = (f"<p>Keep {', '.join(f'<code>{_e(n)}</code>' for n in names)} in FP32: {why}</p>"
             f"<pre>{_e(code)}</pre><pre>{_e(plain)}</pre>")
     return _section("fix", "The fix", body)
