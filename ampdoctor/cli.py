@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Sequence
@@ -106,7 +107,8 @@ def _report_options(f):
 
 def _print_report(report, sort: str, top: int | None, only_bad: bool, match: str | None, kinds: str) -> None:
     ks = _kinds(kinds)
-    width = max(100, min(160, click.get_terminal_size()[0] if hasattr(click, "get_terminal_size") else 120))
+    # the terminal's width (COLUMNS where set); into a pipe or a file, 160
+    width = max(80, min(240, shutil.get_terminal_size((160, 24)).columns))
     click.echo()  # the script may have left a `\r` progress line open
     click.echo(report.to_text(kinds=ks, sort=sort, top=top, only_bad=only_bad, match=match, width=width))
 

@@ -7,6 +7,7 @@ import numpy as np
 
 from ampdoctor.formats import get_format
 from ampdoctor.report import build_report
+from ampdoctor.report.text import select_rows
 from ampdoctor.trace import TraceWriter, hist_blob
 
 EXPECTED = Path(__file__).parent / "expected"
@@ -93,3 +94,84 @@ def test_worst_first_puts_the_producer_before_what_it_passed_on():
     rows = [row("tight", 0, headroom=0.5), row("producer", 1, nan=2, first=3), row("later", 2, nan=1000, first=3),
             row("earlier", 5, overflow=1, first=1), row("fine", 3, headroom=9.0)]
     assert [r.layer for r in sorted(rows, key=LayerRow.severity)] == ["earlier", "producer", "later", "tight", "fine"]
+
+
+def _train_watched(model, path, steps=2, scale=1.0):
+    import torch
+
+    import ampdoctor
+
+    opt = torch.optim.SGD(model.parameters(), 1e-4)
+    sc = torch.amp.GradScaler("cpu")
+    with ampdoctor.watch(model, trace=str(path)):
+        for _ in range(steps):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 8) * scale).float().pow(2).mean()
+            sc.scale(loss).backward()
+            sc.step(opt)
+            sc.update()
+            opt.zero_grad()
+    return build_report(path)
+
+
+def test_worst_first_puts_the_producer_before_a_module_called_before_and_after_it(tmp_path):
+    """A ReLU called twice, before the producer and after it (it passes the producer's Inf on): its row
+    is ordered by its first call, so worst-first put it above the producer that the diagnosis names."""
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.big, self.out, self.act = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1), nn.ReLU()
+            with torch.no_grad():
+                self.big.weight.fill_(3000.0)
+
+        def forward(self, x):
+            return self.out(self.act(self.big(self.act(self.inp(x)))))
+
+    torch.manual_seed(0)
+    rep = _train_watched(Net(), tmp_path / "t.sqlite", scale=10.0)
+    assert (rep.diagnosis.first_nonfinite or {}).get("layer") == "big", rep.diagnosis
+    rows = [r.layer for r in select_rows(rep, "activation", sort="worst")]
+    assert rows[0] == "big" and rows.index("act") < rows.index("out"), rows
+    grads = [r for r in select_rows(rep, "gradient", sort="worst") if r.bad]
+    if len(grads) > 1 and rep.diagnosis.first_nonfinite["kind"] == "activation":  # backward order at one step
+        same = [r for r in grads if r.first_bad_step == grads[0].first_bad_step]
+        assert [r.order for r in same] == sorted((r.order for r in same), reverse=True), [r.layer for r in same]
+
+
+def test_long_layer_names_are_not_cut(tmp_path):
+    """Layer names longer than the table's share of 120 columns were cut with an ellipsis, and their end
+    is what tells blocks.3.attention.query_projection from blocks.3.attention.value_projection. They
+    fold onto a second line instead; the CLI takes the terminal's width (COLUMNS), 160 into a pipe."""
+    import torch
+    from click.testing import CliRunner
+    from torch import nn
+
+    from ampdoctor.cli import main as cli
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.query_projection_layer_with_a_long_name = nn.Linear(8, 8)
+            self.value_projection_layer_with_a_long_name = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.query_projection_layer_with_a_long_name(x) + self.value_projection_layer_with_a_long_name(x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("encoder_attention_block", Attention())
+    model.add_module("head", nn.Linear(8, 1))
+    rep = _train_watched(model, tmp_path / "t.sqlite")
+    names = [r.layer for r in rep.rows("activation")]
+    assert any(len(n) > 60 for n in names), names
+    text = rep.to_text(width=120)
+    assert "…" not in text
+    folded = "".join(line.split(" ")[0] for line in text.splitlines())
+    assert all(n in folded for n in names), text
+    wide = CliRunner().invoke(cli, ["report", str(tmp_path / "t.sqlite")], env={"COLUMNS": "200"})
+    assert wide.exit_code == 0, wide.output
+    assert all(any(line.startswith(n + " ") for line in wide.output.splitlines()) for n in names), wide.output
+    assert max(len(line) for line in wide.output.splitlines()) > 120

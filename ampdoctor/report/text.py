@@ -22,10 +22,24 @@ def select_rows(report: Report, kind: str, *, sort: str = "order", top: int | No
     if only_bad:
         rows = [r for r in rows if r.bad or r.subnormal or r.flush_to_zero]
     if sort == "worst":
-        rows = sorted(rows, key=LayerRow.severity)
+        rows = sorted(rows, key=lambda r: worst_first_key(report, r))
     elif sort != "order":
         raise ValueError(f"sort must be 'order' or 'worst', got {sort!r}")
     return rows[:top] if top else rows
+
+
+def worst_first_key(report: Report, r: LayerRow) -> tuple:
+    """``LayerRow.severity``, with two things only the report knows: among the rows that went bad at the same
+    step, the diagnosis' first non-finite producer comes first (a module called twice, an in-place ReLU before
+    and after it, is ordered by its first call, which may come before the producer); and activation gradients
+    are produced in backward order, the reverse of the forward's."""
+    key = r.severity()
+    if not r.bad:
+        return key
+    fn = report.diagnosis.first_nonfinite or {}
+    producer = (r.layer, r.kind, r.first_bad_step) == (fn.get("layer") or "(root)", fn.get("kind"), fn.get("step"))
+    order = -key[2] if r.kind == "gradient" else key[2]
+    return (key[0], key[1], not producer, order, key[3])
 
 
 def render_text(report: Report, *, kinds: Sequence[str] = DEFAULT_KINDS, sort: str = "order", top: int | None = None,
@@ -58,7 +72,10 @@ def render_text(report: Report, *, kinds: Sequence[str] = DEFAULT_KINDS, sort: s
         for col, just in (("layer", "left"), ("type", "left"), ("dtype", "left"), ("abs-max", "right"),
                           ("headroom", "right"), ("overflow", "right"), ("subnormal", "right"), ("flush", "right"),
                           ("NaN", "right"), ("Inf", "right"), ("first bad", "right")):
-            table.add_column(col, justify=just, no_wrap=(col != "layer"))
+            # a long layer or type name folds onto more lines rather than losing its end (which tells
+            # blocks.3.attn.q_proj from blocks.3.attn.k_proj)
+            names = col in ("layer", "type")
+            table.add_column(col, justify=just, no_wrap=not names, overflow="fold" if names else "ellipsis")
         for r in rows:
             calls = f" x{r.calls}" if r.calls > 1 else ""
             table.add_row(r.layer + calls, r.type, r.dtype, fmt_num(r.absmax), fmt_bits(r.headroom_bits), fmt_pct(r.overflow_pct),
