@@ -88,3 +88,15 @@ def is_torch_module(kind: str | None) -> bool:
     import torch.nn as nn
 
     return bool(kind) and isinstance(getattr(nn, kind, None), type)
+
+
+def root_hint(names, types: Optional[Mapping[str, str]], wrapper: str | None = None) -> str:
+    """What ``model`` stands for in a ``keep_fp32(model...)`` snippet: the class of the watched root. Under
+    ``ampdoctor run`` the watch roots at the first module the script calls, which may be a part of the object
+    the user thinks of as the model (Lightning's ``training_step`` calling ``self.model(x)``: the snippet's
+    ``model`` is that inner module, not the LightningModule). Empty when the wrapper's hint says it already,
+    or for a second model's names (``D:net.2``, whose expression names its own object)."""
+    cls = (types or {}).get("")
+    if wrapper or not cls or all(":" in n for n in names):
+        return ""
+    return f" (`model`: your {cls} object)"

@@ -334,6 +334,9 @@ def test_fix_snippets_for_autocast_and_pure_half_models():
     plain = [a for a in half if a.startswith("Plain PyTorch")]
     assert len(plain) == 2 and all("autocast(" not in a and ".float()" in a for a in plain), plain
     assert "float16" in plain[0] and "bfloat16" in plain[1] and "model.head(x.float()).to(x.dtype)" in plain[0]
+    # what `model` is (the watched root's class), before the snippet, which still ends the line
+    named = fix_snippets(["head"], {**types, "": "Net"}, [])
+    assert named[0] == "Keep head (Linear) in FP32 (`model`: your Net object): ampdoctor.keep_fp32(model.head)", named
 
 
 def test_fix_snippet_of_an_overflowing_power_says_power():

@@ -248,3 +248,45 @@ def test_report_outputs_into_new_folders_and_bad_kinds_before_the_script_runs(tm
     r = amp("run", "--out", tmp_path / "k", "--kinds", "activations", SCRIPTS / "no_watch_overflow.py")
     assert r.returncode == 2 and "unknown kind" in r.stderr
     assert not (tmp_path / "k").exists()  # the script did not run first
+
+
+def test_fix_says_which_object_model_is_when_the_watch_rooted_at_an_inner_module(tmp_path):
+    """Lightning's training_step calling ``self.model(x)``: the automatic watch roots at the inner module
+    (the first module the script calls), so ``keep_fp32(model.hidden)`` means that module, not the
+    LightningModule (``lit.hidden`` is an AttributeError). The fix names the class that ``model`` is."""
+    script = tmp_path / "lit_like.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\n\n\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.inp, self.hidden, self.out = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)\n"
+        "        with torch.no_grad():\n"
+        "            self.hidden.weight.fill_(3000.0)\n\n"
+        "    def forward(self, x):\n"
+        "        return self.out(torch.relu(self.hidden(self.inp(x))))\n\n\n"
+        "class LitModel(nn.Module):  # stands in for a LightningModule: the trainer calls training_step\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.model = Net()\n\n"
+        "    def training_step(self, x):\n"
+        "        return self.model(x).float().pow(2).mean()\n\n\n"
+        "torch.manual_seed(0)\n"
+        "lit = LitModel()\n"
+        "opt = torch.optim.SGD(lit.parameters(), 1e-4)\n"
+        "scaler = torch.amp.GradScaler('cpu')\n"
+        "for step in range(3):\n"
+        "    with torch.autocast('cpu', dtype=torch.float16):\n"
+        "        loss = lit.training_step(torch.randn(4, 8) * 10)\n"
+        "    scaler.scale(loss).backward()\n"
+        "    scaler.step(opt)\n"
+        "    scaler.update()\n"
+        "    opt.zero_grad()\n")
+    out = tmp_path / "run"
+    p = amp("run", "--out", out, "--html", tmp_path / "r.html", script)
+    assert p.returncode == 0, p.stderr
+    report = json.loads((out / "report.json").read_text())
+    assert report["diagnosis"]["first_nonfinite"]["layer"] == "hidden", report["diagnosis"]
+    fix = next(a for a in report["advice"] if "keep_fp32(model.hidden)" in a)
+    assert "(`model`: your Net object)" in fix, fix
+    assert "# model: your Net object" in (tmp_path / "r.html").read_text()

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from ..naming import half_weights_under, is_torch_module, module_expr, plain_fix, wrapped_hint
+from ..naming import half_weights_under, is_torch_module, module_expr, plain_fix, root_hint, wrapped_hint
 from ..oracle import OracleConfig
 from ..trace import TraceReader
 from .candidates import Baseline, read_baseline
@@ -86,8 +86,8 @@ def fix_snippets(culprits: Sequence[str], types: dict[str, str], ops: list[dict]
     for c in culprits:
         path = module_expr(c, types=types)
         kind = types.get(c, "module")
-        advice.append(f"Keep {c or 'the whole model'} ({kind}) in FP32: ampdoctor.keep_fp32({path})"
-                      + wrapped_hint(wrapper))
+        advice.append(f"Keep {c or 'the whole model'} ({kind}) in FP32{root_hint([c], types, wrapper)}: "
+                      f"ampdoctor.keep_fp32({path})" + wrapped_hint(wrapper))
         advice.append("Plain PyTorch: " + plain_fix(path, half_weights_under(c, half_weights), kind, is_torch_module(kind)))
     for o in ops:
         if o.get("pick") != "first":

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from ..naming import half_weights_under, is_torch_module, plain_fix, wrapped_hint, wrapper_of
+from ..naming import half_weights_under, is_torch_module, plain_fix, root_hint, wrapped_hint, wrapper_of
 from .model import LayerRow, Report
 from .phrasing import fmt_num, module_expr
 
@@ -102,6 +102,7 @@ def culprit_advice(report: Report) -> list[str]:
     ev = "; ".join(f"{n}: {e}" for n in names if (e := _evidence(report, n)))
     lines = [f"Keep {', '.join(names)} in FP32 ({why}{'; ' + ev if ev else ''}): "
              + "; ".join(f"`ampdoctor.keep_fp32({module_expr(n, types=report.module_types)})`" for n in names)
+             + root_hint(names, report.module_types, wrapper_of(report.notes))
              + wrapped_hint(wrapper_of(report.notes))
              + " — or in plain PyTorch: " + "; ".join(
                  plain_fix(module_expr(n, types=report.module_types), half_weights_under(n, half_weights(report)),

@@ -17,7 +17,7 @@ from html import escape
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ..naming import half_weights_under, wrapper_of
+from ..naming import half_weights_under, root_hint, wrapper_of
 from .model import KIND_TITLES, LayerRow, Report
 from .phrasing import fmt_bits as _bits
 from .phrasing import fmt_num as _num
@@ -206,6 +206,8 @@ def _fix(report: Report, ready: dict | None) -> str:
            "readiness": f"the first layer whose output would overflow in {_e(report.format)}."}[source]
     code = "import ampdoctor\n" + "\n".join(f"ampdoctor.keep_fp32({module_expr(n, types=report.module_types)})" for n in names)
     wrapper = wrapper_of(report.notes)
+    if (hint := root_hint(names, report.module_types, wrapper)):
+        code += f"\n# model:{hint.strip(' ()').split(':', 1)[1]}"
     if wrapper:
         code += f"\n# model: the module inside {wrapper} (call this before wrapping it, or use wrapped.module under autocast; a pure half model: before wrapping)"
     half = half_weights(report)
