@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from ..formats import Format
+from ..naming import root_hint, wrapper_of
 from .model import Report
 from .phrasing import fmt_num, module_expr, pow2, scale_literal
 from .unscaled import grad_layers, unscaled_hists
@@ -138,7 +139,8 @@ def loss_scale_advice(report: Report, ls: LossScaleAnalysis | None, ready: bool)
         names = ", ".join(f"{n} ({ls.spans[n]} binades)" for n in ls.too_wide[:5])
         out.append(f"Gradients of {names} span more binades than {fmt.name}'s normal range holds "
                    f"({fmt.max_exp - fmt.normal_exp}): run these layers in bf16 or FP32, e.g. "
-                   f"`ampdoctor.keep_fp32({module_expr(ls.too_wide[0], types=report.module_types)})`.")
+                   f"`ampdoctor.keep_fp32({module_expr(ls.too_wide[0], types=report.module_types)})`"
+                   f"{root_hint(ls.too_wide[:1], report.module_types, wrapper_of(report.notes))}.")
     return out
 
 

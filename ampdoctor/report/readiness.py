@@ -5,6 +5,7 @@ and which layer to keep in FP32 once autocast is on."""
 
 from __future__ import annotations
 
+from ..naming import root_hint, wrapper_of
 from .lossscale import MAX_UNDERFLOW_PCT
 from .model import Report
 from .phrasing import fmt_num, module_expr
@@ -62,7 +63,8 @@ def readiness_advice(report: Report, ready: dict) -> list[str]:
                     key=lambda r: r.order, default=None)
         if worst is not None:
             out.append(f"Keep {worst.layer} in FP32 when you switch on autocast: `ampdoctor.keep_fp32("
-                       f"{module_expr(worst.layer, types=report.module_types)})`.")
+                       f"{module_expr(worst.layer, types=report.module_types)})`"
+                       f"{root_hint([worst.layer], report.module_types, wrapper_of(report.notes))}.")
     if ready["underflow"]:
         out.append(f"Would underflow in {fmt.name} (>= {MAX_UNDERFLOW_PCT:g}% of values subnormal or flushed to "
                    "zero): " + listing(ready["underflow"], lambda r: f"{r.layer} ({r.subnormal_pct + r.flush_pct:.3g}%)",
