@@ -124,17 +124,26 @@ class _Kernel:
         self.regs = regs.value
         self._arr: dict[int, Any] = {}
 
-    def __call__(self, grid: int, block: int, args: Sequence[Any], stream: int) -> None:
-        """Launch on the stream whose handle is ``stream`` (see :func:`raw_stream`)."""
+    def pack(self, args: Sequence[Any]) -> tuple[Any, list]:
+        """The argument buffer of a launch with ``args`` (tensors by address, ctypes values as they
+        are, ints as ``int``), and the values it points to (keep them alive while it is used; a
+        ``c_void_p`` among ``args`` can be changed in place between launches)."""
         vals = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else
                 (a if isinstance(a, (ctypes.Array, ctypes.c_void_p)) else ctypes.c_int(a)) for a in args]
         arr_t = self._arr.get(len(vals))
         if arr_t is None:
             arr_t = self._arr[len(vals)] = ctypes.c_void_p * len(vals)
-        arr = arr_t(*[ctypes.addressof(v) for v in vals])
+        return arr_t(*[ctypes.addressof(v) for v in vals]), vals
+
+    def launch_packed(self, grid: int, block: int, arr: Any, stream: int) -> None:
         err = self.launch(self.func, grid, 1, 1, block, 1, 1, 0, ctypes.c_void_p(stream), arr, None)
         if err:
             raise RuntimeError(f"cuLaunchKernel failed with CUDA error {err}")
+
+    def __call__(self, grid: int, block: int, args: Sequence[Any], stream: int) -> None:
+        """Launch on the stream whose handle is ``stream`` (see :func:`raw_stream`)."""
+        arr, vals = self.pack(args)
+        self.launch_packed(grid, block, arr, stream)
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -240,43 +249,73 @@ def _scratch_gate(dev: torch.device) -> torch.Tensor:
 _scratch: dict[int | None, torch.Tensor] = {}
 
 
+class Plan:
+    """The launches that write the rows of tensors given by their element counts, addresses,
+    output rows and dtypes (as ``(dtype, count)`` runs, in order): per MAXT tensors a stage-1
+    launch per dtype and one stage-2 launch, the tensor table passed by value. Built once, it can
+    be launched again for the same tensors (the same addresses, sizes and dtypes) into another
+    ``out``, with another gate, on another stream, with no table built or argument packed again."""
+
+    def __init__(self, numel: Sequence[int], ptr: Sequence[int], rows: Sequence[int],
+                 runs: Sequence[tuple[torch.dtype, int]], fmt: Format, dev: torch.device, width: int):
+        self.dev = dev
+        self.acc_width = hist_width(fmt) + 4
+        self._out, self._gate, self._acc = ctypes.c_void_p(0), ctypes.c_void_p(0), ctypes.c_void_p(0)
+        k2 = _kernel("stage2", torch.float16, fmt, dev)
+        kinds: list[int] = []
+        bounds = []  # (first, end, dtype) of each run
+        pos = 0
+        for dt, c in runs:
+            kinds += [KINDS[dt][0]] * c
+            bounds.append((pos, pos + c, dt))
+            pos += c
+        n = len(kinds)
+        self._launches: list[tuple[_Kernel, int, int, Any]] = []
+        self._keep: list = []  # the tables and packed values the argument buffers point to
+        for lo, t in zip(range(0, n, MAXT), tables(numel, ptr, rows, kinds)):
+            hi = min(lo + MAXT, n)
+            m = hi - lo
+            table = _Table.from_buffer(t)
+            self._keep.append((t, table))
+            for first, end, dt in bounds:  # a stage-1 launch per dtype among this table's tensors
+                g0, g1 = max(first, lo) - lo, min(end, hi) - lo
+                if g1 <= g0:
+                    continue
+                c0, c1 = int(t[2 * MAXT + g0]), int(t[2 * MAXT + g1])
+                if c1 > c0:
+                    self._add(_kernel("stage1", dt, fmt, dev), c1 - c0, NT, (table, m, g0, g1, c0, self._acc))
+            self._add(k2, m, NT2, (table, m, self._acc, self._out, width, self._gate))
+
+    def _add(self, k: _Kernel, grid: int, block: int, args: tuple) -> None:
+        arr, vals = k.pack(args)
+        self._keep.append(vals)
+        self._launches.append((k, grid, block, arr))
+
+    def launch(self, out: torch.Tensor, gate: torch.Tensor | None) -> None:
+        """Write the rows into ``out`` (float64, on the plan's device, ``width`` columns) on the
+        current stream; ``gate``: as in :func:`run`. No host sync, no copy."""
+        dev = self.dev
+        stream = raw_stream(dev)
+        self._out.value = out.data_ptr()
+        self._gate.value = (gate if gate is not None else _scratch_gate(dev)).data_ptr()
+        self._acc.value = _accumulators(dev, stream, self.acc_width).data_ptr()
+        for k, grid, block, arr in self._launches:
+            k.launch_packed(grid, block, arr, stream)
+
+
 def run(views: Sequence[torch.Tensor], rows: Sequence[int], fmt: Format, out: torch.Tensor,
         numel: Sequence[int], ptr: Sequence[int], gate: torch.Tensor | None,
-        runs: Sequence[tuple[torch.dtype, int]]) -> None:
+        runs: Sequence[tuple[torch.dtype, int]]) -> Plan:
     """Write the rows of ``views`` (contiguous, 16-byte aligned fp16/bf16/fp32 tensors on
-    ``out``'s device, grouped by dtype) into ``out[rows]``. Per MAXT tensors: a stage-1 launch per
-    dtype and one stage-2 launch, the tensor table passed by value. No host sync, no copy.
+    ``out``'s device, grouped by dtype) into ``out[rows]``: the :class:`Plan` of these tensors,
+    launched (and returned). No host sync, no copy.
     ``numel``/``ptr``: the views' element counts and addresses; ``runs``: their dtypes as
     (dtype, count) runs, in order (the views are kept alive until the launches are queued).
     ``gate``: an int32 device tensor that stage 2 sets to 1 when a row counts a NaN or an Inf
     (see :func:`run_flags`)."""
-    dev = out.device
-    if gate is None:
-        gate = _scratch_gate(dev)
-    stream = raw_stream(dev)
-    acc = _accumulators(dev, stream, hist_width(fmt) + 4)
-    k2 = _kernel("stage2", torch.float16, fmt, dev)
-    width = out.shape[1]
-    kinds: list[int] = []
-    bounds = []  # (first, end, dtype) of each run
-    pos = 0
-    for dt, c in runs:
-        kinds += [KINDS[dt][0]] * c
-        bounds.append((pos, pos + c, dt))
-        pos += c
-    n = len(kinds)
-    for lo, t in zip(range(0, n, MAXT), tables(numel, ptr, rows, kinds)):
-        hi = min(lo + MAXT, n)
-        m = hi - lo
-        table = _Table.from_buffer(t)
-        for first, end, dt in bounds:  # a stage-1 launch per dtype among this table's tensors
-            g0, g1 = max(first, lo) - lo, min(end, hi) - lo
-            if g1 <= g0:
-                continue
-            c0, c1 = int(t[2 * MAXT + g0]), int(t[2 * MAXT + g1])
-            if c1 > c0:
-                _kernel("stage1", dt, fmt, dev)(c1 - c0, NT, (table, m, g0, g1, c0, acc), stream)
-        k2(m, NT2, (table, m, acc, out, width, gate), stream)
+    plan = Plan(numel, ptr, rows, runs, fmt, out.device, out.shape[1])
+    plan.launch(out, gate)
+    return plan
 
 
 # -- NaN/Inf flags behind a gate (_flags_cuda_kernel.cu) ---------------------------------------

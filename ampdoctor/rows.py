@@ -265,10 +265,12 @@ class StepRows:
             if self.policy.gated(dev):  # the step's gate: set by the stats of any row with NaN/Inf
                 self._gates[dev] = torch.zeros(1, dtype=torch.int32, device=dev)
 
-    def add_now(self, metas: Sequence[tuple], tensors: Sequence[torch.Tensor]) -> None:
+    def add_now(self, metas: Sequence[tuple], tensors: Sequence[torch.Tensor], memo: dict | None = None) -> None:
         """Rows ``metas`` of ``tensors``, each in a slot of its own, measured now with the tensors
         waiting in the batch (one launch per device): for tensors that nothing else asks for this
-        step (weights, weight gradients), read where they must be, at a flush point."""
+        step (weights, weight gradients), read where they must be, at a flush point. ``memo``: the
+        caller's, for tensors that come back with the same dtypes and sizes at each call (see
+        :func:`ampdoctor.stats_cuda.planned_rows`)."""
         if not tensors:
             return
         start = self.n_slots
@@ -278,7 +280,7 @@ class StepRows:
             self._see_device(dev)
         self.meta.extend(metas)
         self.slots.extend(range(start, self.n_slots))
-        self.flush((tensors, range(start, self.n_slots), devs))
+        self.flush((tensors, range(start, self.n_slots), devs), memo=memo)
 
     def add_row(self, meta: tuple, t: torch.Tensor, key: Hashable) -> None:
         """A statistics row ``meta`` (whose last field is ``t``'s size in bytes) measuring ``t``."""
@@ -326,7 +328,7 @@ class StepRows:
 
     # -- flush points --------------------------------------------------------------------
     def flush(self, now: tuple[Sequence[torch.Tensor], Sequence[int], list[torch.device]] | None = None,
-              flags: bool = False) -> None:
+              flags: bool = False, memo: dict | None = None) -> None:
         """Measure the waiting tensors now (kernel launches; no host sync), with ``now``'s
         (tensors, their slots, their devices): tensors handed over to be measured at once.
 
@@ -340,7 +342,9 @@ class StepRows:
         is checked now and again at each flush until a *safe* one (``flags``: the end of the
         outermost backward pass, the step's end), when every row that could show its NaN/Inf is
         in; its flag is any check's. Gradients held past the budget that cannot wait
-        (:meth:`RowPolicy.room`) get full rows in this flush instead."""
+        (:meth:`RowPolicy.room`) get full rows in this flush instead. ``memo``: ``now``'s tensors,
+        all on one CUDA device, are measured on their own through a kept launch plan (see
+        :meth:`add_now`), after the waiting rows and before the gated checks, as in one batch."""
         if flags:
             self._open.clear()
             self._held.clear()
@@ -373,12 +377,16 @@ class StepRows:
                 group = by_dev[dev] = ([], [])
             group[0].append(t)  # batch_stats reads it without building a graph: no detach here
             group[1].append(slot)
+        planned = None
         if now is not None:
             ts, ss, devs = now
             if devs.count(devs[0]) == len(devs):  # all on one device
-                group = by_dev.setdefault(devs[0], ([], []))
-                group[0].extend(ts)
-                group[1].extend(ss)
+                if memo is not None and devs[0].type == "cuda":
+                    planned = (list(ts), list(ss), devs[0])
+                else:
+                    group = by_dev.setdefault(devs[0], ([], []))
+                    group[0].extend(ts)
+                    group[1].extend(ss)
             else:
                 for t, slot, dev in zip(ts, ss, devs):
                     group = by_dev.setdefault(dev, ([], []))
@@ -386,13 +394,29 @@ class StepRows:
                     group[1].append(slot)
         for dev, (ts, ss) in by_dev.items():
             self._measure(ts, ss, dev)
+        if planned is not None:
+            self._measure(*planned, memo=memo)
         if self._fpending:
             self._measure_flags()
 
-    def _measure(self, ts: list[torch.Tensor], ss: list[int], dev: torch.device | None = None) -> None:
-        """One batch of tensors (one device) into a block of rows for slots ``ss``."""
+    def _measure(self, ts: list[torch.Tensor], ss: list[int], dev: torch.device | None = None,
+                 memo: dict | None = None) -> None:
+        """One batch of tensors (one device) into a block of rows for slots ``ss``; ``memo``: through
+        a kept launch plan where it applies (see :func:`ampdoctor.stats_cuda.planned_rows`)."""
         fmt = self.policy.fmt
         gate = self._gates.get(dev) if self._gates else None
+        if memo is not None:
+            from . import stats_cuda
+            try:
+                out = (stats_cuda.planned_rows(ts, fmt, gate, memo)
+                       if _stats._backend is stats_cuda.fused_batch_stats else None)
+            except Exception as e:  # the batch path below, as for any batch
+                log.info("ampdoctor: planned statistics failed (%s: %s)", type(e).__name__, e)
+                memo.clear()
+                out = None
+            if out is not None:
+                self.blocks.append((out, ss))
+                return
         stats = _stats.batch_stats if gate is None else (lambda x, f: _stats.batch_stats(x, f, gate))
         try:
             self.blocks.append((stats(ts, fmt), ss))

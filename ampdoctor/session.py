@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import logging
 import math
+import operator
 import os
 import socket
 import sys
@@ -33,6 +34,11 @@ from .steps import StepTracker
 from .trace import TraceWriter
 
 log = logging.getLogger(__name__)
+
+_lid_name = operator.itemgetter(0, 1)  # (lid, name) of a parameter entry
+_dtype_of = operator.attrgetter("dtype")
+_layout_of = operator.attrgetter("layout")
+_numel = torch.Tensor.numel
 
 KINDS = ("activation", "gradient", "weight", "weight_grad")
 DETAIL_AFTER_ANOMALY = 3  # with every=N, record this many steps in full after a non-finite loss
@@ -125,7 +131,7 @@ class Session:
         self._detail_left = 0
         self.attribution = Attribution(self.layers, self.writer)
         self._pending_scalars: list[tuple[int, dict]] = []
-        self._param_rows: dict[str, tuple] = {}  # kind -> (signature, row descriptions, kept entries)
+        self._param_rows: dict[str, tuple] = {}  # kind -> (signature, row descriptions, kept entries, plan memo)
         self._scaled_loss_active = False  # a GradScaler was seen: skipped steps are its business
         self._step_optimizer: Any = None  # weakref: without a GradScaler, this optimizer's step ends a step
         self._other_steps: set[int] = set()  # other optimizers that stepped since the last boundary
@@ -279,25 +285,25 @@ class Session:
         ts = [e[2] for e in entries]
         # the rows' descriptions change only with the entries, dtypes, sizes and layouts (cached:
         # hundreds of parameters a step)
-        sig = ([(e[0], e[1]) for e in entries], [t.dtype for t in ts], [t.numel() for t in ts], [t.layout for t in ts])
+        sig = (list(map(_lid_name, entries)), list(map(_dtype_of, ts)), list(map(_numel, ts)), list(map(_layout_of, ts)))
         cached = self._param_rows.get(kind)
         if cached is not None and cached[0] == sig:
-            metas, keep = cached[1], cached[2]
+            metas, keep, memo = cached[1], cached[2], cached[3]
         else:
-            metas, keep = [], []
+            metas, keep, memo = [], [], {}  # memo: the launch plan of these rows (see StepRows.add_now)
             for i, (lid, pname, t) in enumerate(entries):
                 if t.is_floating_point() and t.layout == torch.strided and not t.is_meta:  # (meta: no values)
                     n = t.numel()
                     metas.append((lid, kind, pname, 0, _dtype_name(t.dtype), n, n * t.element_size()))
                     keep.append(i)
-            self._param_rows[kind] = (sig, metas, keep)
+            self._param_rows[kind] = (sig, metas, keep, memo)
         if len(keep) != len(ts):
             ts = [ts[i] for i in keep]
         if not ts:
             return
         self._active = True
         try:
-            self._rows.add_now(metas, ts)
+            self._rows.add_now(metas, ts, memo)
         except Exception as e:  # pragma: no cover - never break the user's training for a statistic
             log.warning("ampdoctor: could not record %d %s rows: %s: %s", len(ts), kind, type(e).__name__, e)
 

@@ -318,10 +318,10 @@ def fused_batch_stats(tensors: Sequence[torch.Tensor], fmt: Format, *, _allow_cp
     return out
 
 
-def _nvrtc_rows(tensors: Sequence[torch.Tensor], fmt: Format, out: torch.Tensor,
-                gate: torch.Tensor | None) -> torch.Tensor:
-    """:func:`fused_batch_stats` through the NVRTC kernels: ``out``'s rows, tensors grouped by dtype
-    (one stage-1 launch per dtype and table), in one pass over them."""
+def _nvrtc_groups(tensors: Sequence[torch.Tensor]) -> tuple[list, list, list, list, list, list]:
+    """The tensors the NVRTC kernels take, grouped by dtype (in order of first appearance), in
+    one pass: (views, numel, ptr, rows, (dtype, count) runs, the indices they do not take). A view
+    is the tensor itself, or its aligned contiguous copy (see :func:`_aligned_copy`)."""
     kinds = _stats_nvrtc.KINDS
     groups: dict[torch.dtype, tuple[list, list, list, list]] = {}  # dtype -> (views, numel, ptr, rows)
     other: list[int] = []
@@ -352,12 +352,50 @@ def _nvrtc_rows(tensors: Sequence[torch.Tensor], fmt: Format, out: torch.Tensor,
             ptr += g[2]
             rows += g[3]
             runs.append((dt, len(g[0])))
+    return views, numel, ptr, rows, runs, other
+
+
+def _nvrtc_rows(tensors: Sequence[torch.Tensor], fmt: Format, out: torch.Tensor,
+                gate: torch.Tensor | None) -> torch.Tensor:
+    """:func:`fused_batch_stats` through the NVRTC kernels: ``out``'s rows, tensors grouped by dtype
+    (one stage-1 launch per dtype and table), in one pass over them."""
+    views, numel, ptr, rows, runs, other = _nvrtc_groups(tensors)
     if views:
         _stats_nvrtc.run(views, rows, fmt, out, numel, ptr, gate, runs)
     for i in other:
         out[i] = _stats.tensor_stats(tensors[i], fmt)
     if gate is not None and other:
         _or_gate(gate, out)
+    return out
+
+
+_data_ptr = torch.Tensor.data_ptr
+_is_contiguous = torch.Tensor.is_contiguous
+
+
+def planned_rows(tensors: Sequence[torch.Tensor], fmt: Format, gate: torch.Tensor | None,
+                 memo: dict) -> torch.Tensor | None:
+    """:func:`fused_batch_stats` of tensors that come back step after step, such as the
+    parameters (all on one CUDA device; the caller checks that their dtypes and sizes are those
+    of the last call): the NVRTC launches are planned once (:class:`_stats_nvrtc.Plan`, kept in
+    ``memo``) and launched again while the tensors keep their addresses and stay contiguous, with
+    no launch table built again. The same rows as :func:`fused_batch_stats`. ``None`` where the
+    plan does not apply (no NVRTC here, a dtype or size the kernels do not take, a tensor that is
+    not contiguous or aligned): the caller measures them as any batch."""
+    dev = tensors[0].device
+    ptrs = list(map(_data_ptr, tensors))
+    plan = memo.get("plan")
+    if plan is None or memo["ptrs"] != ptrs or memo["fmt"] != fmt or not all(map(_is_contiguous, tensors)):
+        memo.clear()
+        if _which(dev) != "nvrtc":
+            return None
+        views, numel, ptr, rows, runs, other = _nvrtc_groups(tensors)
+        if other or ptr != [ptrs[i] for i in rows]:  # another path, or an aligned copy: not reusable
+            return None
+        plan = _stats_nvrtc.Plan(numel, ptr, rows, runs, fmt, dev, _stats.row_width(fmt))
+        memo.update(plan=plan, ptrs=ptrs, fmt=fmt)
+    out = torch.empty((len(ptrs), _stats.row_width(fmt)), dtype=torch.float64, device=dev)
+    plan.launch(out, gate)
     return out
 
 

@@ -54,15 +54,18 @@ def _instrument() -> None:
     R = importlib.import_module("ampdoctor.rows")
     SC = importlib.import_module("ampdoctor.stats_cuda")
     NV = importlib.import_module("ampdoctor._stats_nvrtc")
+    T = importlib.import_module("ampdoctor.trace")
     parts = [
-        (S.Session, ["on_backward", "_write_deferred", "end_step"]),
-        (W.Watch, ["record_weight_grads", "record_weights"]),
+        (S.Session, ["on_backward", "_write_deferred", "end_step", "on_scaler_update", "add_param_rows", "_flush_soon",
+                     "_start_copy", "_reset_step"]),
+        (W.Watch, ["record_weight_grads", "record_weights", "prune_pre_hooks", "sleep", "snapshot_grads"]),
         (W._GradWork, ["__call__"]),
-        (R.StepRows, ["flush", "add_now", "_measure", "_measure_flags"]),
+        (R.StepRows, ["flush", "add_now", "_measure", "_measure_flags", "finish"]),
         (R.RowPolicy, ["room"]),
         (SC, ["fused_nonfinite"]),
         (NV, ["run", "tables", "run_flags"]),
         (NV._Kernel, ["__call__"]),
+        (T.TraceWriter, ["commit", "add_step", "add_stat_rows"]),
     ]
     for owner, names in parts:
         for n in names:

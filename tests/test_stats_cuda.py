@@ -120,6 +120,44 @@ def test_no_host_sync():
         torch.cuda.set_sync_debug_mode(0)
 
 
+def test_planned_rows_equal_batch_rows_and_follow_the_tensors(_fused):
+    """The weights' kept launch plan: the same rows as a batch, call after call while the values
+    change in place; planned again when a tensor moves; not used where it cannot be."""
+    fmt = FORMATS["fp16"]
+    g = torch.Generator().manual_seed(3)
+    dts = (torch.float32, torch.float16, torch.bfloat16)
+    ts = [_awkward(dts[i % 3], n, g) for i, n in enumerate([1, 17, 1000, 4096, 100_003] * 30)]  # several tables
+    memo: dict = {}
+    gate = torch.zeros(1, dtype=torch.int32, device="cuda")
+
+    def check():
+        got = stats_cuda.planned_rows(ts, fmt, gate, memo)
+        ref = torch.stack([stats.tensor_stats(t, fmt) for t in ts])
+        assert got is not None and torch.equal(got, ref)
+        assert int(gate) == int(bool((ref[:, 1:4] != 0).any()))
+
+    if _fused != "nvrtc":  # the plan is the NVRTC kernels'
+        assert stats_cuda.planned_rows(ts, fmt, gate, memo) is None and not memo
+        return
+    check()
+    plan = memo["plan"]
+    for t in ts:  # new values, same tensors: the same plan
+        t.mul_(3).add_(1)
+    gate.zero_()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        check_out = stats_cuda.planned_rows(ts, fmt, gate, memo)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert memo["plan"] is plan and torch.equal(check_out, torch.stack([stats.tensor_stats(t, fmt) for t in ts]))
+    ts[7] = ts[7].clone()  # moved (another address): planned again
+    check()
+    assert memo["plan"] is not plan
+    ts[0] = torch.randn(64, 48, device="cuda").t()  # not contiguous: the batch path
+    assert stats_cuda.planned_rows(ts, fmt, gate, memo) is None and not memo
+
+
 class _Net(nn.Module):
     def __init__(self):
         super().__init__()
