@@ -109,6 +109,63 @@ def test_fp32_values_beyond_fp16_max_are_overflow():
     assert probe.findings == []  # bf16 has fp32's range
 
 
+class TransposeFirst(nn.Module):
+    """nn.MultiheadAttention(batch_first=True) style: transposes its input before projecting it."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        h = x.transpose(0, 1).contiguous()
+        return self.proj(h)
+
+
+def test_an_op_that_passes_on_a_too_large_input_is_not_the_first():
+    # the fp32 input is already beyond fp16's max when it comes in: the transposes pass it on
+    # (overflow findings, marked passthrough); the linear, whose fp16 output under autocast is Inf
+    # from finite inputs, is where it breaks
+    model = nn.Sequential(TransposeFirst(8))
+    x = torch.full((2, 3, 8), 1e5)
+    with OpProbe(model, ["0"]) as probe:
+        with torch.autocast(**AC):
+            model(x)
+    ops = [(f.op, f.passthrough) for f in probe.findings if f.phase == "forward"]
+    assert ops[:2] == [("transpose", True), ("contiguous", True)]
+    assert probe.first.op == "linear" and probe.first.nonfinite and not probe.first.passthrough
+    # nothing but pass-throughs (an fp32 run): the first of them is still named
+    with OpProbe(model, ["0"]) as probe:
+        model(x)
+    assert all(f.passthrough for f in probe.findings if f.phase == "forward")
+    assert probe.first.op == "transpose"
+    _no_probe_left(model)
+
+
+class MaskedAttention(nn.Module):
+    def __init__(self, d: int):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(d, 2, batch_first=True)
+
+    def forward(self, x):
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])  # 0 and -inf
+        return self.attn(x, x, x, attn_mask=mask, need_weights=False)[0]
+
+
+def test_an_additive_mask_of_minus_inf_does_not_hide_the_producer():
+    # nn.MultiheadAttention with a causal mask of -inf, on an input beyond fp16's max: its output is
+    # NaN/Inf although its only non-finite input is the mask, so it is the producer (the transposes
+    # before it pass the input on)
+    torch.manual_seed(0)
+    model = nn.Sequential(MaskedAttention(8))
+    with OpProbe(model, ["0"]) as probe:
+        with torch.autocast(**AC):
+            model(torch.randn(2, 5, 8) * 3e4)
+    first = probe.first
+    assert first.op == "multi_head_attention_forward" and first.nonfinite and first.phase == "forward"
+    assert first.where.endswith(f":{line_of(MaskedAttention.forward, 'self.attn(')}")
+    _no_probe_left(model)
+
+
 def test_only_inside_probed_modules_and_not_ampdoctor_ops():
     model = nn.Sequential(SquareNorm(8), SquareNorm(8))
     _big(model[0].proj, 300.0)

@@ -7,7 +7,8 @@ one mode). For every torch function called there whose output is floating point 
 the output against the target format:
 
 * **producer**: the output has NaN/Inf although every floating input was finite (e.g. an
-  fp16 ``matmul`` under autocast whose result exceeds 65504);
+  fp16 ``matmul`` under autocast whose result exceeds 65504); an additive attention mask of 0
+  and -Inf counts as finite when the output holds a NaN or a +Inf, which the mask cannot make;
 * **overflow**: finite values with ``|x| > fmt.max`` (fp32 outputs that would become Inf
   when cast to the format).
 
@@ -73,6 +74,9 @@ class OpFinding:
     path: str = ""  # full path of ``where``'s file
     dtype: str = ""  # dtype of the output
     absmax_fp32: Optional[float] = None  # producers: the same op recomputed in fp32
+    # an overflow whose floating inputs already held values beyond the format's max (or NaN/Inf):
+    # the op passed them on (a transpose, a reshape, a dropout of an input that was too large)
+    passthrough: bool = False
 
     @property
     def magnitude(self) -> float:
@@ -120,6 +124,13 @@ def _nonfinite_scalar(obj: Any) -> bool:
     if isinstance(obj, dict):
         return any(_nonfinite_scalar(v) for v in obj.values())
     return False
+
+
+def _additive_mask(x: torch.Tensor) -> bool:
+    """An additive attention mask: every value 0 or -Inf (``nn.Transformer.generate_square_subsequent_mask``,
+    ``attn_mask`` of ``nn.MultiheadAttention``). Its -Inf was asked for; it does not make the op's
+    input non-finite in the sense of an overflow that came in."""
+    return bool(((x == 0) | (x == float("-inf"))).all())
 
 
 def _user_frame() -> Optional[tuple[str, int]]:
@@ -204,8 +215,11 @@ class OpProbe:
 
     @property
     def first(self) -> Optional[OpFinding]:
+        """The first forward op that made the trouble: a producer, or an overflow from inputs
+        within range; an op that only passed on values already too large comes after them."""
         fwd = [f for f in self.findings if f.phase == "forward"]
-        return (fwd or self.findings or [None])[0]
+        made = [f for f in fwd if not f.passthrough]
+        return (made or fwd or self.findings or [None])[0]
 
     @property
     def _stack(self) -> list[str]:
@@ -285,12 +299,13 @@ class OpProbe:
         for t in outs:
             d = decode_row(tensor_stats(t, self.fmt).tolist(), self.fmt)
             bad = d["nan"] + d["posinf"] + d["neginf"]
-            producer = bad > 0 and not _nonfinite_scalar((args, kwargs)) and all(
-                bool(torch.isfinite(x).all()) for x in _tensors((args, kwargs)) if x.is_floating_point())
+            producer = bad > 0 and not _nonfinite_scalar((args, kwargs)) and self._from_finite(args, kwargs, d)
             finding = self._finding(layer, op, loc, d, producer, str(t.dtype).replace("torch.", ""), "forward")
             if producer and t.dtype != torch.float32 and not any(k in op for k in _NO_RECOMPUTE) \
                     and not op.endswith("_") and "out" not in kwargs:
                 finding.absmax_fp32 = self._absmax_fp32(func, args, kwargs)
+            if not producer and d["overflow"] > 0:
+                finding.passthrough = self._inputs_beyond(args, kwargs)
             self._keep(finding, producer or d["overflow"] > 0)
             if self.backward and t.requires_grad:
                 t.register_hook(self._grad_hook(layer, op, loc))
@@ -311,6 +326,25 @@ class OpProbe:
                 self.findings.append(finding)
                 logger.info("OpProbe: %s %s at %s in %s (absmax %.3g, nonfinite=%s)", finding.phase,
                             finding.op, finding.where, finding.layer, finding.absmax, finding.nonfinite)
+
+    @staticmethod
+    def _from_finite(args: tuple, kwargs: dict, d: dict) -> bool:
+        """Whether an output's NaN/Inf (row ``d``) came from finite inputs: every floating input is
+        finite, or the only non-finite ones are additive masks (0 and -Inf) and the output holds a
+        NaN or a +Inf, which adding such a mask does not make."""
+        nonfinite = [x for x in _tensors((args, kwargs)) if x.is_floating_point() and not bool(torch.isfinite(x).all())]
+        if not nonfinite:
+            return True
+        return d["nan"] + d["posinf"] > 0 and all(_additive_mask(x) for x in nonfinite)
+
+    def _inputs_beyond(self, args: tuple, kwargs: dict) -> bool:
+        """Whether a floating input already held a value beyond the format's max, or a NaN/Inf."""
+        for x in _tensors((args, kwargs)):
+            if x.is_floating_point() and x.numel() and not _additive_mask(x):
+                a = x.detach().abs()
+                if not bool(torch.isfinite(a).all()) or float(a.max()) > self.fmt.max:
+                    return True
+        return False
 
     @staticmethod
     def _absmax_fp32(func: Callable, args: tuple, kwargs: dict) -> Optional[float]:
