@@ -39,7 +39,7 @@ def synthetic(path: Path) -> Path:
     w.add_stats(rows)
     for step, (loss, scale, skipped) in enumerate([(2.0, 65536.0, 0), (1.5, 65536.0, 0), (1.2, 32768.0, 1),
                                                    (float("nan"), 16384.0, 1)]):
-        w.add_step((step, loss, scale, skipped, min(step, 2), 1, 1000.0 + step))
+        w.add_step((step, loss, scale, skipped, min(step + 1, 2), 1, 1000.0 + step))  # no optimizer step when skipped
     w.add_event(3, "first_nonfinite", "blocks.1.proj", kind="activation", call=0, producers=2)
     w.commit()
     w.close()

@@ -500,3 +500,37 @@ def test_auto_watch_hides_torchs_compiled_module_warning_and_puts_the_filters_ba
         auto.remove()
         session.close()
     assert warnings.filters == before
+
+
+def test_gan_two_optimizers_one_scaler_partial_skips_are_said(tmp_path):
+    # a GAN's D overflows fp16 at every step while G's steps go through: the GradScaler's scale falls
+    # every step ("skipped"), but an optimizer still steps in most of them; the report says so instead
+    # of implying that nothing was updated
+    torch.manual_seed(0)
+    G = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16))
+    D = nn.Sequential(nn.Linear(16, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1))
+    og = torch.optim.SGD(G.parameters(), lr=1e-3)
+    od = torch.optim.SGD(D.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    real = torch.randn(8, 16) * 1e3
+    with ampdoctor.watch(D, trace=str(tmp_path / "t.sqlite")) as w:
+        for _ in range(6):
+            with torch.autocast("cpu", dtype=torch.float16):
+                fake = G(torch.randn(8, 8))
+                d_loss = (D(fake.detach()) - D(real * 100)).mean()  # D's real branch overflows: D skips
+            od.zero_grad()
+            scaler.scale(d_loss).backward()
+            scaler.step(od)
+            with torch.autocast("cpu", dtype=torch.float16):
+                g_loss = -D(fake).mean()
+            og.zero_grad()
+            scaler.scale(g_loss).backward()
+            scaler.step(og)
+            scaler.update()
+        rep = w.report()
+    steps = TraceReader(tmp_path / "t.sqlite").steps()
+    ran = [b["optimizer_steps"] - a["optimizer_steps"] for a, b in zip([{"optimizer_steps": 0}] + steps, steps)]
+    partial = sum(1 for s, r in zip(steps, ran) if s["skipped"] and r > 0)
+    assert partial > 0 and all(s["skipped"] for s in steps)
+    line = next(x for x in rep.diagnosis.lines if x.startswith("GradScaler skipped"))
+    assert f"in {partial} of them another optimizer still stepped" in line, line

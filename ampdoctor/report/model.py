@@ -290,7 +290,10 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
         lines.append(f"Layer statistics were sampled every {every} steps (and in full after a non-finite loss): "
                      "the first non-finite value may come a few steps earlier; rerun with --every 1 to pin it.")
     if skipped:
-        lines.append(f"GradScaler skipped {skipped} of {len(timeline)} steps.")
+        partial = partial_skips(timeline)
+        lines.append(f"GradScaler skipped {skipped} of {len(timeline)} steps" + (
+            f" (in {partial} of them another optimizer still stepped: with several optimizers on one GradScaler, "
+            "a step skips only those whose gradients held Inf/NaN)." if partial else "."))
     ran = meta.get("activation_dtype")
     if ran and ran != meta.get("format_dtype"):
         lines.append(f"Activations ran in {ran} but the numbers are measured against {meta.get('format')}: "
@@ -320,6 +323,21 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
         reason=None if decision is None else decision.reason, first_nonfinite=fn, lines=lines,
         steps_seen=len(timeline), optimizer_steps=int(optimizer_steps or 0), skipped_steps=skipped,
         first_loss_nonfinite=first_loss_bad)
+
+
+def partial_skips(timeline: list[dict]) -> int:
+    """Steps the GradScaler marked skipped (its scale fell) in which an optimizer step was taken all
+    the same: several optimizers on one GradScaler (a GAN's D and G), of which only some had Inf/NaN
+    gradients. The timeline's ``optimizer_steps`` is the running count at each step's end."""
+    n, last = 0, 0
+    for t in timeline:
+        now = t.get("optimizer_steps")
+        if now is None:
+            continue
+        if t.get("skipped") and now > last:
+            n += 1
+        last = now
+    return n
 
 
 def _still_written(meta: dict) -> bool:
