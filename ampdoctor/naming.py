@@ -94,9 +94,18 @@ def root_hint(names, types: Optional[Mapping[str, str]], wrapper: str | None = N
     """What ``model`` stands for in a ``keep_fp32(model...)`` snippet: the class of the watched root. Under
     ``ampdoctor run`` the watch roots at the first module the script calls, which may be a part of the object
     the user thinks of as the model (Lightning's ``training_step`` calling ``self.model(x)``: the snippet's
-    ``model`` is that inner module, not the LightningModule). Empty when the wrapper's hint says it already,
-    or for a second model's names (``D:net.2``, whose expression names its own object)."""
+    ``model`` is that inner module, not the LightningModule). A second model's names (``D:net.2``, written
+    ``d.net[2]``) say which object ``d`` is. Empty when the wrapper's hint says it already."""
     cls = (types or {}).get("")
-    if wrapper or not cls or all(":" in n for n in names):
+    names = list(names)
+    if wrapper:
+        return ""
+    if names and all(":" in n for n in names):
+        owner = names[0].partition(":")[0]
+        if any(n.partition(":")[0] != owner for n in names):
+            return ""
+        kind = owner.split("#")[0]
+        return f" (`{kind.lower()}`: the {kind} model your script called after the first one watched)"
+    if not cls:
         return ""
     return f" (`model`: your {cls} object)"

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from report_helpers import fp32_trace, overflow_trace, synthetic_trace
 
+from ampdoctor.naming import root_hint
 from ampdoctor.report import build_report
 from ampdoctor.report.advice import (
     loss_scale_analysis,
@@ -173,6 +174,16 @@ def test_module_expr():
     assert module_expr("net.2") == "model.net[2]"
     assert module_expr("") == "model"
     assert module_expr("a.<b>") == "model.get_submodule('a.<b>')"
+
+
+def test_a_second_models_fix_says_which_object_it_names():
+    # a GAN whose G and D are both nn.Sequential: D's layers are "Sequential:0", written sequential[0];
+    # the snippet says what `sequential` is (it said nothing, and `model` would be G)
+    assert module_expr("Sequential:0", types={"Sequential:": "Sequential"}) == "sequential[0]"
+    hint = root_hint(["Sequential:0", "Sequential:2"], {"": "Sequential"})
+    assert hint == " (`sequential`: the Sequential model your script called after the first one watched)"
+    assert root_hint(["net.2"], {"": "Net"}) == " (`model`: your Net object)"
+    assert root_hint(["D:0", "G:1"], {"": "Net"}) == ""  # two other objects: each expression names its own
 
 
 # -- real traces ---------------------------------------------------------------------------------------

@@ -207,7 +207,8 @@ def _fix(report: Report, ready: dict | None) -> str:
     code = "import ampdoctor\n" + "\n".join(f"ampdoctor.keep_fp32({module_expr(n, types=report.module_types)})" for n in names)
     wrapper = wrapper_of(report.notes)
     if (hint := root_hint(names, report.module_types, wrapper)):
-        code += f"\n# model:{hint.strip(' ()').split(':', 1)[1]}"
+        var, _, what = hint.strip(" ()").partition(":")
+        code += f"\n# {var.strip('`')}:{what}"
     if wrapper:
         code += f"\n# model: the module inside {wrapper} (call this before wrapping it, or use wrapped.module under autocast; a pure half model: before wrapping)"
     half = half_weights(report)
