@@ -213,8 +213,9 @@ def run(out, fmt, every, max_steps, all_modules, nproc, json_path, html_path, so
     click.echo(f"run folder: {out_dir}  (re-render: ampdoctor report {out_dir})")
     if result.status == "crashed":
         click.echo(f"\nThe script raised {result.error}\n{result.traceback or ''}", err=True)
-        click.echo(f"ampdoctor: {script} failed after {result.steps} step(s); the trace of what ran is kept in {out_dir}.",
-                   err=True)
+        done = result.steps if result.completed is None else result.completed
+        click.echo(f"ampdoctor: {script} failed after {done} completed step(s); the trace of what ran is kept in "
+                   f"{out_dir}.", err=True)
         sys.exit(result.exit_code or 1)
     if result.status == "stopped":
         click.echo(f"ampdoctor: stopped the script cleanly ({result.stop_reason}) after {result.steps} step(s).", err=True)

@@ -38,6 +38,7 @@ class ScriptResult:
     stop_reason: str | None = None
     decision: Any = None
     trained: bool = True      # at least one step boundary (optimizer step / GradScaler update) ran
+    completed: int | None = None  # steps that reached their boundary (``steps`` counts one cut short too)
 
 
 def _user_traceback(exc: BaseException, script: Path) -> str:
@@ -115,6 +116,7 @@ def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig
         for probe in probes:
             _write_probe(session, probe)
         steps, opt_steps = session.step, session.optimizer_steps
+        completed = steps
         trained = steps > 0 or opt_steps > 0
         extra = {"error": err} if err else {}
         if stop_reason:
@@ -127,7 +129,8 @@ def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig
         else:
             os.environ["AMPDOCTOR_CONFIG"] = saved_env
     return ScriptResult(status=status, exit_code=code, trace=str(session.trace_path), steps=steps,
-                        optimizer_steps=opt_steps, error=err, traceback=tb, stop_reason=stop_reason, decision=decision, trained=trained)
+                        optimizer_steps=opt_steps, error=err, traceback=tb, stop_reason=stop_reason, decision=decision,
+                        trained=trained, completed=completed)
 
 
 def _attach_probe(watch: Any, config: RunConfig, probes: list) -> None:

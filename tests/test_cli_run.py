@@ -69,6 +69,24 @@ def test_script_that_raises_keeps_trace(tmp_path):
     assert "ampdoctor/runner.py" not in p.stderr  # the user's traceback, not ours
     assert len(TraceReader(out / "trace.sqlite").steps()) == 3
     assert TraceReader(out / "trace.sqlite").meta()["status"] == "crashed"
+    assert "failed after 3 completed step(s)" in p.stderr
+
+
+def test_script_that_raises_in_its_first_step_says_no_step_completed(tmp_path):
+    # the forward raises after a first layer ran (an op the backend does not support): the partial
+    # step is in the trace, but no step completed (it said "failed after 1 step(s)")
+    script = tmp_path / "first_step.py"
+    script.write_text(
+        "import torch\nfrom torch import nn\n"
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n        super().__init__()\n        self.a = nn.Linear(4, 4)\n"
+        "    def forward(self, x):\n        h = self.a(x)\n        raise RuntimeError('unsupported op')\n"
+        "model = Net()\nopt = torch.optim.SGD(model.parameters(), lr=0.1)\n"
+        "model(torch.randn(2, 4)).sum().backward()\nopt.step()\n")
+    out = tmp_path / "run"
+    p = amp("run", "--out", out, script)
+    assert p.returncode == 1 and "unsupported op" in p.stderr
+    assert "failed after 0 completed step(s)" in p.stderr, p.stderr
 
 
 def test_script_that_never_trains(tmp_path):
