@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import runpy
 import sys
@@ -164,6 +165,9 @@ def _write_probe(session: Session, probe: Any) -> None:
             session.writer.add_event(f.step, "op", d["layer"], pick=("first" if f is picks[0] else
                                      "worst" if f is picks[1] else "worst_backward" if f is picks[2] else "seen"), **{
                                          k: v for k, v in d.items() if k != "layer"})
+        for name, (absmax, step) in probe.inputs_beyond.items():
+            session.writer.add_event(step, "probe_input", probe.prefix + name,
+                                     absmax=absmax if math.isfinite(absmax) else None)
         session.writer.add_event(None, "probe", None, ops_seen=probe.ops_seen, findings=len(probe.findings))
     except Exception as e:  # the drill-down must never lose the trace
         log.warning("ampdoctor: op probe failed: %s", e)

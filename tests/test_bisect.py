@@ -232,6 +232,45 @@ def test_a_backward_that_makes_nan_at_every_scale_is_found_in_a_few_steps(tmp_pa
     assert (res["trials"][0]["fp32"], res["trials"][0]["outcome"]) == ([], "fail"), res["trials"]
 
 
+def _train_scaled_input(steps):
+    """The root's forward scales its FP32 input beyond fp16's max before `b` (no module does it):
+    `b`'s autocast cast of it overflows. Keeping `b` in FP32 fixes training, but the cause is upstream."""
+    import torch
+    from torch import nn
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.b(self.a(x).float() * 2e4 + x * 1e5)
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+    scaler = torch.amp.GradScaler("cpu")
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.randn(8, 8)).float().mean() * 1e-6
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+
+def test_bisect_says_when_the_culprits_input_came_in_too_large(tmp_path):
+    import ampdoctor
+
+    res = ampdoctor.bisect(lambda: _train_scaled_input(12), out=tmp_path)
+    assert res["verdict"] == "culprit" and res["culprits"] == ["b"], res
+    assert res["ops"][0]["op"] == "linear" and res["ops"][0]["pick"] == "first", res["ops"]
+    assert {o["op"] for o in res["ops"]} == {"linear"}, res["ops"]  # the probe's own look at the input is not an op
+    (line,) = [a for a in res["advice"] if a.startswith("The input of b was already beyond fp16's max")]
+    assert "the values grow before it" in line, line
+
+
 def test_python_api_bisect(tmp_path):
     import random
 

@@ -175,6 +175,8 @@ class _Mode(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", "")
+        if getattr(self.probe._local, "checking", False):
+            return out  # the probe's own look at a module's inputs
         if name not in ("__get__", "__set__"):  # attribute access computes nothing
             try:
                 self.probe._record(func, args, kwargs, out)
@@ -208,6 +210,9 @@ class OpProbe:
         self.worst: Optional[OpFinding] = None
         self.worst_backward: Optional[OpFinding] = None
         self.ops_seen = 0
+        # probed module -> (abs-max, step) of its floating inputs, where one already held a value beyond
+        # the format's max, or a NaN/Inf, when the module was called (the values grew before it)
+        self.inputs_beyond: dict[str, tuple[float, Optional[int]]] = {}
         self._handles: list[Any] = []
         self._local = threading.local()  # .stack: probed modules running, .mode: the active mode
         self._lock = threading.Lock()
@@ -268,7 +273,32 @@ class OpProbe:
                 mode.__enter__()
                 self._local.mode = mode
             stack.append(name)
+            self._local.checking = True  # (the mode is on: these ops are ours, not the module's)
+            try:
+                self._check_inputs(name, args)
+            except Exception:  # noqa: BLE001 - never break the user's forward
+                logger.debug("OpProbe could not check the inputs of %s", name, exc_info=True)
+            finally:
+                self._local.checking = False
         return hook
+
+    def _check_inputs(self, name: str, args: tuple) -> None:
+        """Remember when a floating input of ``name`` already held a value beyond the format's max
+        (or a NaN/Inf) as the module was called: the largest finite abs-max seen so, Inf if none."""
+        if name in self.inputs_beyond and math.isinf(self.inputs_beyond[name][0]):
+            return
+        worst = None
+        for x in _tensors(args):
+            if x.is_floating_point() and x.numel() and not _additive_mask(x):
+                a = x.detach().abs()
+                finite = torch.isfinite(a)
+                m = float(a[finite].max()) if bool(finite.any()) else 0.0
+                if not bool(finite.all()):
+                    m = math.inf
+                if m > self.fmt.max and (worst is None or m > worst):
+                    worst = m
+        if worst is not None and (name not in self.inputs_beyond or worst > self.inputs_beyond[name][0]):
+            self.inputs_beyond[name] = (worst, self.step)
 
     def _post_hook(self) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:

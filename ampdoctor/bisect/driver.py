@@ -75,6 +75,27 @@ def _ops_from(trace: Path, culprits: Sequence[str]) -> list[dict]:
     return ops
 
 
+def _came_in_too_large(trace: Path, culprits: Sequence[str], fmt: str) -> list[str]:
+    """Advice for a culprit whose input already held values beyond the format's max when it was
+    called in the drill-down (the probe's ``probe_input`` events): the values grew before it."""
+    try:
+        with TraceReader(trace) as r:
+            events = r.events("probe_input")
+    except Exception:
+        return []
+    out = []
+    for c in culprits:
+        e = next((e for e in events if e["layer"] == c), None)
+        if e is None:
+            continue
+        absmax = e["detail"].get("absmax")
+        held = f"abs-max {_fmt(absmax)}" if absmax is not None else "NaN/Inf"
+        out.append(f"The input of {c or 'the model'} was already beyond {fmt}'s max when it was called ({held}, step "
+                   f"{e['step']}): the values grow before it, in the code that feeds it. Keeping it in FP32 works "
+                   "around that; scaling or normalising its input where it is computed removes the cause.")
+    return out
+
+
 def fix_snippets(culprits: Sequence[str], types: dict[str, str], ops: list[dict],
                  half_weights: dict[str, str] | None = None, wrapper: str | None = None) -> list[str]:
     """The fix for each culprit (``keep_fp32`` and its plain-PyTorch equivalent: autocast off around
@@ -224,6 +245,8 @@ def run_bisect(script: str | None, args: Sequence[str], out: Path, opts: BisectO
         ops = _ops_from(Path(d.folder) / "trace.sqlite", culprits)
     result["ops"] = ops
     result["advice"] = fix_snippets(culprits, bl.types, ops, bl.half_weights, bl.wrapper)
+    if opts.drill:
+        result["advice"] += _came_in_too_large(Path(d.folder) / "trace.sqlite", culprits, opts.fmt)
     if opts.drill:
         for c in culprits:
             if not any(o["layer"] == c or o["layer"].startswith(c + ".") or c == "" for o in ops if o["phase"] == "forward"):
