@@ -43,9 +43,9 @@ def readiness_advice(report: Report, ready: dict) -> list[str]:
     n_under = len({r.layer for rows in ready["underflow"].values() for r in rows})
     n_bad = len({r.layer for rows in ready["nonfinite"].values() for r in rows})
     already = f"; {n_bad} already had NaN/Inf in FP32" if n_bad else ""
-    out = [f"{fmt.name} readiness: this run had no autocast (every activation was float32), so its values were "
-           f"measured against {fmt.name}: {n_over} of {ready['layers']} layers would overflow, {n_under} would "
-           f"underflow{already}."]
+    out = [f"{fmt.name} readiness: every activation of this run was float32 (no autocast, or none of the layers "
+           f"that ran is one autocast casts), so its values were measured against {fmt.name}: {n_over} of "
+           f"{ready['layers']} layers would overflow, {n_under} would underflow{already}."]
 
     def listing(groups: dict, describe, key) -> str:
         parts = []
