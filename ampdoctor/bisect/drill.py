@@ -284,17 +284,14 @@ class OpProbe:
 
     def _check_inputs(self, name: str, args: tuple) -> None:
         """Remember when a floating input of ``name`` already held a value beyond the format's max
-        (or a NaN/Inf) as the module was called: the largest finite abs-max seen so, Inf if none."""
+        (or a NaN/Inf) as the module was called: the largest abs-max seen so (Inf: a NaN/Inf)."""
         if name in self.inputs_beyond and math.isinf(self.inputs_beyond[name][0]):
             return
         worst = None
         for x in _tensors(args):
             if x.is_floating_point() and x.numel() and not _additive_mask(x):
-                a = x.detach().abs()
-                finite = torch.isfinite(a)
-                m = float(a[finite].max()) if bool(finite.any()) else 0.0
-                if not bool(finite.all()):
-                    m = math.inf
+                x = x.detach()  # (two reductions, no copy of the input)
+                m = math.inf if not bool(torch.isfinite(x).all()) else max(float(x.max()), -float(x.min()))
                 if m > self.fmt.max and (worst is None or m > worst):
                     worst = m
         if worst is not None and (name not in self.inputs_beyond or worst > self.inputs_beyond[name][0]):
