@@ -305,17 +305,15 @@ class Plan:
 
 def run(views: Sequence[torch.Tensor], rows: Sequence[int], fmt: Format, out: torch.Tensor,
         numel: Sequence[int], ptr: Sequence[int], gate: torch.Tensor | None,
-        runs: Sequence[tuple[torch.dtype, int]]) -> Plan:
+        runs: Sequence[tuple[torch.dtype, int]]) -> None:
     """Write the rows of ``views`` (contiguous, 16-byte aligned fp16/bf16/fp32 tensors on
     ``out``'s device, grouped by dtype) into ``out[rows]``: the :class:`Plan` of these tensors,
-    launched (and returned). No host sync, no copy.
+    launched once. No host sync, no copy.
     ``numel``/``ptr``: the views' element counts and addresses; ``runs``: their dtypes as
     (dtype, count) runs, in order (the views are kept alive until the launches are queued).
     ``gate``: an int32 device tensor that stage 2 sets to 1 when a row counts a NaN or an Inf
     (see :func:`run_flags`)."""
-    plan = Plan(numel, ptr, rows, runs, fmt, out.device, out.shape[1])
-    plan.launch(out, gate)
-    return plan
+    Plan(numel, ptr, rows, runs, fmt, out.device, out.shape[1]).launch(out, gate)
 
 
 # -- NaN/Inf flags behind a gate (_flags_cuda_kernel.cu) ---------------------------------------

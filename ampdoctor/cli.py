@@ -213,8 +213,7 @@ def run(out, fmt, every, max_steps, all_modules, nproc, json_path, html_path, so
     click.echo(f"run folder: {out_dir}  (re-render: ampdoctor report {out_dir})")
     if result.status == "crashed":
         click.echo(f"\nThe script raised {result.error}\n{result.traceback or ''}", err=True)
-        done = result.steps if result.completed is None else result.completed
-        click.echo(f"ampdoctor: {script} failed after {done} completed step(s); the trace of what ran is kept in "
+        click.echo(f"ampdoctor: {script} failed after {result.completed} completed step(s); the trace of what ran is kept in "
                    f"{out_dir}.", err=True)
         sys.exit(result.exit_code or 1)
     if result.status == "stopped":

@@ -39,7 +39,7 @@ class ScriptResult:
     stop_reason: str | None = None
     decision: Any = None
     trained: bool = True      # at least one step boundary (optimizer step / GradScaler update) ran
-    completed: int | None = None  # steps that reached their boundary (``steps`` counts one cut short too)
+    completed: int = 0        # steps that reached their boundary (``steps`` counts one cut short too)
 
 
 def _user_traceback(exc: BaseException, script: Path) -> str:

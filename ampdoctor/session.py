@@ -215,11 +215,7 @@ class Session:
         if self._detail_left > 0:
             self._detail_left -= 1
         self.attributing = self.recording and not self.attribution.done(self._scaled_loss_active)
-        self._rows = StepRows(self._row_policy)
-        self._row_meta: list[tuple] = self._rows.meta
-        self._flags: list[tuple] = []  # per flag, the row slots of the tensors concerned (see flag_slots)
-        self._flag_meta: list[tuple] = []
-        self._calls: dict[int, int] = {}
+        self._new_rows()
         self._outer_next = False  # the next backward pass seen is an outermost one (see on_backward)
         self._losses: list[torch.Tensor] = []
         self._scaled_loss_seen = False
@@ -232,6 +228,14 @@ class Session:
         # enabled (see outermost_call)
         self._provisional = False
         self._grad_call = False
+
+    def _new_rows(self) -> None:
+        """The step's rows, flags and module call counts, empty."""
+        self._rows = StepRows(self._row_policy)
+        self._row_meta: list[tuple] = self._rows.meta
+        self._flags: list[tuple] = []  # per flag, the row slots of the tensors concerned (see flag_slots)
+        self._flag_meta: list[tuple] = []
+        self._calls: dict[int, int] = {}
 
     def outermost_call(self, grad: bool) -> None:
         """An outermost watched module call starts, before any backward pass has run. Calls with gradients
@@ -247,10 +251,7 @@ class Session:
             self._provisional = True
 
     def _drop_provisional(self) -> None:
-        self._rows = StepRows(self._row_policy)
-        self._row_meta = self._rows.meta
-        self._flags, self._flag_meta = [], []
-        self._calls = {}
+        self._new_rows()
         self._active = False
         self._provisional = False
 

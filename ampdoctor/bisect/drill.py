@@ -133,6 +133,16 @@ def _additive_mask(x: torch.Tensor) -> bool:
     return bool(((x == 0) | (x == float("-inf"))).all())
 
 
+def _beyond(x: torch.Tensor, fmax: float) -> Optional[float]:
+    """The abs-max of floating tensor ``x`` (Inf: it holds a NaN/Inf) where it is beyond ``fmax``;
+    None where it is within it, or ``x`` is empty or an additive mask (two reductions, no copy)."""
+    if not x.is_floating_point() or not x.numel() or _additive_mask(x):
+        return None
+    x = x.detach()
+    m = math.inf if not bool(torch.isfinite(x).all()) else max(float(x.max()), -float(x.min()))
+    return m if m > fmax else None
+
+
 def _user_frame() -> Optional[tuple[str, int]]:
     """(file, line) of the innermost frame outside torch (and this file); None when that
     frame is ampdoctor's own code (e.g. another hook running inside the probed module)."""
@@ -285,16 +295,11 @@ class OpProbe:
     def _check_inputs(self, name: str, args: tuple) -> None:
         """Remember when a floating input of ``name`` already held a value beyond the format's max
         (or a NaN/Inf) as the module was called: the largest abs-max seen so (Inf: a NaN/Inf)."""
-        if name in self.inputs_beyond and math.isinf(self.inputs_beyond[name][0]):
+        seen = self.inputs_beyond.get(name)
+        if seen is not None and math.isinf(seen[0]):
             return
-        worst = None
-        for x in _tensors(args):
-            if x.is_floating_point() and x.numel() and not _additive_mask(x):
-                x = x.detach()  # (two reductions, no copy of the input)
-                m = math.inf if not bool(torch.isfinite(x).all()) else max(float(x.max()), -float(x.min()))
-                if m > self.fmt.max and (worst is None or m > worst):
-                    worst = m
-        if worst is not None and (name not in self.inputs_beyond or worst > self.inputs_beyond[name][0]):
+        worst = max((m for x in _tensors(args) if (m := _beyond(x, self.fmt.max)) is not None), default=None)
+        if worst is not None and (seen is None or worst > seen[0]):
             self.inputs_beyond[name] = (worst, self.step)
 
     def _post_hook(self) -> Callable:
@@ -332,7 +337,7 @@ class OpProbe:
                     and not op.endswith("_") and "out" not in kwargs:
                 finding.absmax_fp32 = self._absmax_fp32(func, args, kwargs)
             if not producer and d["overflow"] > 0:
-                finding.passthrough = self._inputs_beyond(args, kwargs)
+                finding.passthrough = any(_beyond(x, self.fmt.max) is not None for x in _tensors((args, kwargs)))
             self._keep(finding, producer or d["overflow"] > 0)
             if self.backward and t.requires_grad:
                 t.register_hook(self._grad_hook(layer, op, loc))
@@ -363,15 +368,6 @@ class OpProbe:
         if not nonfinite:
             return True
         return d["nan"] + d["posinf"] > 0 and all(_additive_mask(x) for x in nonfinite)
-
-    def _inputs_beyond(self, args: tuple, kwargs: dict) -> bool:
-        """Whether a floating input already held a value beyond the format's max, or a NaN/Inf."""
-        for x in _tensors((args, kwargs)):
-            if x.is_floating_point() and x.numel() and not _additive_mask(x):
-                a = x.detach().abs()
-                if not bool(torch.isfinite(a).all()) or float(a.max()) > self.fmt.max:
-                    return True
-        return False
 
     @staticmethod
     def _absmax_fp32(func: Callable, args: tuple, kwargs: dict) -> Optional[float]:

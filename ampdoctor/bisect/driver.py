@@ -247,7 +247,6 @@ def run_bisect(script: str | None, args: Sequence[str], out: Path, opts: BisectO
     result["advice"] = fix_snippets(culprits, bl.types, ops, bl.half_weights, bl.wrapper)
     if opts.drill:
         result["advice"] += _came_in_too_large(Path(d.folder) / "trace.sqlite", culprits, opts.fmt)
-    if opts.drill:
         for c in culprits:
             if not any(o["layer"] == c or o["layer"].startswith(c + ".") or c == "" for o in ops if o["phase"] == "forward"):
                 notes.append(f"no op inside {c or 'the model'} overflowed in the drill-down: forcing it may help only by "
