@@ -20,6 +20,11 @@ class HostCopy:
         self._events: dict[torch.device, Any] = {}
         self.on_cuda = False
 
+    @staticmethod
+    def defers(devices: set) -> bool:
+        """Whether a copy from ``devices`` goes non-blocking to the host (to be read later)."""
+        return any(d.type == "cuda" for d in devices)
+
     def put(self, what: str, t: torch.Tensor) -> None:
         t = t.reshape(-1).to(torch.float64)
         self._pieces.setdefault(t.device, []).append(t)

@@ -171,6 +171,11 @@ class StepRows:
     def __bool__(self) -> bool:
         return self.n_slots > 0
 
+    @property
+    def devices(self) -> set[torch.device]:
+        """The devices of the tensors measured so far."""
+        return self._devices
+
     # -- from the hooks ------------------------------------------------------------------
     def slot_of(self, t: torch.Tensor, key: Hashable, nbytes: int | None = None, flag: bool = False,
                 hold: int = 0) -> int:

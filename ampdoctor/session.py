@@ -139,6 +139,10 @@ class Session:
         self._row_policy = RowPolicy(self.fmt, on_stale=self._stale_row)
         self._bw_task = -2  # the backward pass whose end flushes the batch (see _queue_backward_flush)
         self._deferred: list[tuple] = []  # recorded steps whose host copy is in flight (CUDA)
+        # a recorded step that has ended, whose weights' rows and host copy wait for the next backward
+        # pass to start (CUDA, see _end_step); at the boundary instead once a script changed its weights there
+        self._boundary: tuple | None = None
+        self._boundary_now = False
         self._mid_step = False  # writing a deferred step from inside the next one (see on_backward)
         self.trained = False  # a backward pass ran: forwards with gradients disabled are evaluation from now on
         self._prefetched: _HostCopy | None = None
@@ -277,10 +281,11 @@ class Session:
         except Exception as e:  # never break the user's training because of a statistic
             self.note_layer(lid, f"could not record {kind} {slot}: {type(e).__name__}: {e}")
 
-    def add_param_rows(self, kind: str, entries: list[tuple[int, str, torch.Tensor]]) -> None:
+    def add_param_rows(self, kind: str, entries: list[tuple[int, str, torch.Tensor]], rows: StepRows | None = None) -> None:
         """Rows of kind ``kind`` ("weight" or "weight_grad") of the tensors ``(lid, name, tensor)``
         as they are now, measured together at once (one launch per device on CUDA): they are alive
-        anyway and nothing else asks for them this step."""
+        anyway and nothing else asks for them this step. ``rows``: those of a step that has ended
+        (its weights, see :meth:`_end_step`), not this step's."""
         if self.closed:
             return
         ts = [e[2] for e in entries]
@@ -302,9 +307,11 @@ class Session:
             ts = [ts[i] for i in keep]
         if not ts:
             return
-        self._active = True
+        if rows is None:
+            rows = self._rows
+            self._active = True
         try:
-            self._rows.add_now(metas, ts, memo)
+            rows.add_now(metas, ts, memo)
         except Exception as e:  # pragma: no cover - never break the user's training for a statistic
             log.warning("ampdoctor: could not record %d %s rows: %s: %s", len(ts), kind, type(e).__name__, e)
 
@@ -381,7 +388,7 @@ class Session:
         self._active = True
         self.trained = True
         self._outer_next = outer = torch._C._current_graph_task_id() == -1  # not called from inside a backward
-        if self._deferred:
+        if self._deferred or self._boundary is not None:
             self._write_deferred()
         if self.recording:  # the weight gradients are read where this backward pass ends
             roots = tensors if isinstance(tensors, (tuple, list)) else (tensors,)
@@ -458,8 +465,17 @@ class Session:
             self._reset_step()
 
     def _end_step(self) -> None:
+        self.settle_boundary()  # a step that ended with no backward pass since the last boundary
+        # On CUDA, with no oracle to decide the step now, the weights' rows and the step's host copy wait
+        # for the next backward pass to start: the host queues them there, behind the next forward, where
+        # here (after GradScaler's sync) the GPU would wait for them. The weights are the same then, unless
+        # the script changes them in between: that is checked, and then they are read here from then on.
+        later = (self.recording and not self._boundary_now and self._oracle is None and DEFER_HOST_READ
+                 and _HostCopy.defers(self._rows.devices))
         for w in list(self.watches):
-            if self.recording:
+            if later:
+                w.mark_weights()
+            elif self.recording:
                 w.record_weights()
         self._rows.finish()
         step = self.step
@@ -479,7 +495,10 @@ class Session:
         for cb in self.on_step:
             cb(self.step)
         decision = None
-        if recorded or self._oracle is not None or len(self._pending_scalars) >= self.config.every:
+        if later:
+            self._boundary = (step, list(self.watches), (rows, row_meta, flags, flag_meta, recorded), self._pending_scalars)
+            self._pending_scalars = []
+        elif recorded or self._oracle is not None or len(self._pending_scalars) >= self.config.every:
             decision = self._flush_soon(rows, row_meta, flags, flag_meta, recorded)
         self.writer.commit()
         for w in self.watches:  # the next step's hooks: only a recorded step needs them
@@ -529,16 +548,19 @@ class Session:
         self._pending_scalars.clear()
         return decision
 
-    def _flush_soon(self, rows: StepRows, row_meta: list, flags: list, flag_meta: list, recorded: bool) -> Any:
+    def _flush_soon(self, rows: StepRows, row_meta: list, flags: list, flag_meta: list, recorded: bool,
+                    scalars: list | None = None) -> Any:
         """:meth:`_flush` this step's data, now or, on CUDA without an oracle, later: the
-        device-to-host copy starts now (non-blocking, into pinned memory) and is read when the next
-        step's backward pass starts (:meth:`_write_deferred`), or at the next boundary, when it has
-        long arrived, so neither the step boundary nor the host work waits for the GPU. With an
-        oracle (``ampdoctor run``/``bisect`` trials) every step is decided at once."""
+        device-to-host copy starts now (non-blocking, into pinned memory) and is read when a later
+        backward pass starts (:meth:`_write_deferred`), or at a later boundary, when it has long
+        arrived, so neither the step boundary nor the host work waits for the GPU. With an oracle
+        (``ampdoctor run``/``bisect`` trials) every step is decided at once. ``scalars``: the steps'
+        losses and scales (default: those pending, taken)."""
         prev, self._deferred = self._deferred, []
-        copy = self._start_copy(rows, self._pending_scalars)
-        job = (copy, rows, row_meta, flags, flag_meta, recorded, self._pending_scalars)
-        self._pending_scalars = []
+        if scalars is None:
+            scalars, self._pending_scalars = self._pending_scalars, []
+        copy = self._start_copy(rows, scalars)
+        job = (copy, rows, row_meta, flags, flag_meta, recorded, scalars)
         first = None
         for p in prev:  # one the next step's backward did not write (see on_backward)
             first = self._run_flush(p) or first
@@ -559,8 +581,34 @@ class Session:
             self._prefetched = None
             self._pending_scalars = saved
 
+    def settle_boundary(self) -> None:
+        """The weights' rows and the host copy of the step that ended last, if they wait (see
+        :meth:`_end_step`): the weights are read now, and the copy starts (read later)."""
+        b, self._boundary = self._boundary, None
+        if b is None:
+            return
+        step, watches, (rows, row_meta, flags, flag_meta, recorded), scalars = b
+        try:
+            changed = [w for w in watches if w.weights_changed()]
+            for w in watches:
+                w.record_weights(rows)
+            rows.finish()  # (a row that could not be measured is forgotten)
+            if changed and not self._boundary_now:
+                self._boundary_now = True
+                self.writer.add_event(step, "note", None, message=(
+                    f"the weights changed between the end of step {step} and the next backward pass (clipped, "
+                    "reloaded, ...): the weight rows of that step show them as changed; from the next step on they "
+                    "are read where each step ends"))
+        except Exception as e:  # pragma: no cover - never break the user's training for a statistic
+            log.warning("ampdoctor: could not record the weights of step %d: %s: %s", step, type(e).__name__, e)
+        try:
+            self._flush_soon(rows, row_meta, flags, flag_meta, recorded, scalars)
+        except Exception as e:  # pragma: no cover - never break the user's training for a statistic
+            log.warning("ampdoctor: could not write step %d: %s: %s", step, type(e).__name__, e)
+
     def sync(self) -> None:
         """Write the recorded step whose host copy is still in flight (syncs with the device)."""
+        self.settle_boundary()
         jobs, self._deferred = self._deferred, []
         for job in jobs:
             decision = self._run_flush(job)
@@ -569,14 +617,16 @@ class Session:
         self.writer.commit()
 
     def _write_deferred(self) -> None:
-        """Write the deferred step(s) from inside the next step, when its backward pass starts: the
-        host has queued the whole forward by then, so this host work overlaps the GPU's, where at
-        the step boundary the GPU would wait for it. Never raises (no oracle when deferred)."""
+        """Write the deferred step(s) from inside a later step, when its backward pass starts, and
+        measure the weights of the step that ended last and start its host copy: the host has queued
+        the whole forward by then, so this host work overlaps the GPU's, where at the step boundary
+        the GPU would wait for it. Never raises (no oracle when deferred)."""
         jobs, self._deferred = self._deferred, []
         self._mid_step = True
         try:
             for job in jobs:
                 self._run_flush(job)
+            self.settle_boundary()  # the step that just ended: its weights' rows and host copy (read later)
         except Exception as e:  # pragma: no cover - never break the user's training for a statistic
             log.warning("ampdoctor: could not write step statistics: %s: %s", type(e).__name__, e)
         finally:
@@ -632,6 +682,7 @@ class Session:
         try:
             if self._active or self._rows:
                 try:
+                    self.settle_boundary()
                     self._partial_step()
                 except StopRun:
                     pass
@@ -639,13 +690,14 @@ class Session:
                     log.warning("ampdoctor: could not flush the last step: %s", e)
             if self._pending_scalars:  # steps not recorded since the last write (every > 1)
                 try:
+                    self.settle_boundary()
                     self._flush_soon(StepRows(self._row_policy), [], [], [], False)
                 except StopRun:
                     pass
                 except Exception as e:  # pragma: no cover - never mask the user's own error
                     log.warning("ampdoctor: could not write the last steps: %s", e)
         finally:
-            if self._deferred:
+            if self._deferred or self._boundary is not None:
                 try:
                     self.sync()
                 except Exception as e:  # pragma: no cover - never mask the user's own error

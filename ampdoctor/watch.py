@@ -214,6 +214,7 @@ class Watch:
         self._params: list[tuple[int, str, nn.Parameter | None]] = []
         self._owners: list[tuple[dict, str]] = []  # (module._parameters, name) of each entry of _params
         self._removed = False
+        self._marked: tuple | None = None  # the parameters and their versions at the last boundary
         self._fp32 = None
         self._stack: dict[int, list] = {}
         self._vstack: dict[int, list] = {}
@@ -621,13 +622,33 @@ class Watch:
         if changed:
             self.session.add_param_rows("weight_grad", changed)
 
-    def record_weights(self) -> None:
-        """Weights after the optimizer step (called at the step boundary)."""
+    def record_weights(self, rows: Any = None) -> None:
+        """Weights after the optimizer step, into this step's rows or ``rows`` (a step that has ended:
+        see :meth:`Session._end_step`)."""
         if not self._removed:
             self._sync_params()
             ps = self._params
             self.session.add_param_rows("weight", ps if all(e[2] is not None for e in ps) else
-                                        [e for e in ps if e[2] is not None])
+                                        [e for e in ps if e[2] is not None], rows)
+
+    def mark_weights(self) -> None:
+        """Remember the parameters and their ``_version`` now (the step boundary), for
+        :meth:`weights_changed`: the weights' rows are read later, when the next backward starts."""
+        self._marked = None
+        if not self._removed:
+            self._sync_params()
+            ps = [e[2] for e in self._params]
+            self._marked = (ps, [None if p is None else p._version for p in ps])
+
+    def weights_changed(self) -> bool:
+        """Whether a parameter was changed in place or replaced since :meth:`mark_weights`."""
+        marked, self._marked = self._marked, None
+        if marked is None or self._removed:
+            return False
+        self._sync_params()
+        ps, vs = marked
+        return any(e[2] is not p or (p is not None and p._version != v) for e, p, v in zip(self._params, ps, vs)) \
+            or len(ps) != len(self._params)
 
     def _force(self, names: list[str]) -> None:
         from .precision import force_fp32
@@ -662,6 +683,8 @@ class Watch:
         session's last step and close its trace (syncs with the device). Safe to call twice."""
         if self._removed:
             return
+        if not self.session.closed:
+            self.session.settle_boundary()  # this watch's weights of the step that ended last
         self._detach_hooks()
         self.session.detach(self)
 

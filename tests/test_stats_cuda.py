@@ -313,3 +313,44 @@ def test_gated_flags_on_cuda_attribute_as_full_rows(tmp_path, monkeypatch, _fuse
                       if e["kind"] in ("first_nonfinite", "grad_nonfinite")]
     assert got[True] == got[False]
     assert any(k == "first_nonfinite" and layer == "1" and step >= 1 for k, step, layer, _ in got[True]), got
+
+
+def _edited_run(tmp_path, name, defer, monkeypatch, edit_at=None, steps=6):
+    from ampdoctor import session as session_mod
+    monkeypatch.setattr(session_mod, "DEFER_HOST_READ", defer)
+    torch.manual_seed(0)
+    model = _Net().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    with ampdoctor.watch(model, trace=str(tmp_path / f"{name}.sqlite")):
+        for i in range(steps):
+            x = torch.randn(16, 32, device="cuda", generator=g)
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = model(x).float().pow(2).mean()
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            if i == edit_at:
+                with torch.no_grad():
+                    model.lin2.weight.mul_(0.5)
+    r = TraceReader(tmp_path / f"{name}.sqlite")
+    key = lambda s: (s["step"], s["layer"], s["kind"], s["slot"], s["call"])  # noqa: E731
+    notes = [e["detail"]["message"] for e in r.events("note")]
+    return sorted(r.stats(), key=key), notes, [(s["step"], s["loss"], s["scale"]) for s in r.steps()]
+
+
+def test_weights_read_at_the_next_backward_on_cuda(tmp_path, monkeypatch, _fused):
+    """On CUDA a recorded step's weights are measured, and its host copy started, where the next backward
+    starts: the trace equals the one read at each boundary (AMPDOCTOR_DEFER_READ=0). A script that
+    changes its weights between update() and the next backward gets a note, that step's rows show the
+    change, and every later step is read at its boundary again."""
+    ref, ref_notes, ref_steps = _edited_run(tmp_path, "now", False, monkeypatch)
+    got, notes, got_steps = _edited_run(tmp_path, "later", True, monkeypatch)
+    assert got == ref and len(ref) > 0 and got_steps == ref_steps and notes == ref_notes == []
+    ref, _, _ = _edited_run(tmp_path, "now_edit", False, monkeypatch, edit_at=2)
+    got, notes, _ = _edited_run(tmp_path, "later_edit", True, monkeypatch, edit_at=2)
+    differ = [(a["step"], a["kind"], a["slot"]) for a, b in zip(ref, got) if a != b]
+    assert differ == [(2, "weight", "weight")], differ
+    assert len(notes) == 1 and "end of step 2" in notes[0]

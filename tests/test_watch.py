@@ -1,6 +1,7 @@
 """watch(): what it records, that it leaves the process exactly as it was, awkward models."""
 
 import json
+import collections
 import math
 
 import pytest
@@ -147,6 +148,7 @@ def deferred_read(monkeypatch):
         self.on_cuda = True
 
     monkeypatch.setattr(hostcopy.HostCopy, "start", start_as_cuda)
+    monkeypatch.setattr(hostcopy.HostCopy, "defers", staticmethod(lambda devices: True))
 
 
 def test_detail_after_a_nonfinite_loss_wakes_the_hooks(tmp_path):
@@ -445,16 +447,79 @@ def test_deferred_host_read_writes_the_same_trace(tmp_path, request, every):
     assert got[2] == ref[2]
     if every == 1:
         assert ref[3] == list(range(7))  # read at its own boundary: written before the next step's backward
-        assert got[3] == [0] + list(range(6))  # deferred: step i-1 written when step i's backward starts
+        # deferred: step i's weights measured and its copy started when step i+1's backward starts, and the
+        # step written when step i+2's does
+        assert got[3] == [0, 0] + list(range(5))
 
+
+
+def _weights_edited_at(tmp_path, name, deferred, request, edit_at=2, steps=6):
+    """Train with a GradScaler; after ``edit_at``'s update() (the step boundary) and before the next
+    backward, halve the first layer's weight in place, as a script that clips or reloads would."""
+    torch.manual_seed(0)
+    model = _model()
+    if deferred:
+        request.getfixturevalue("deferred_read")
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    sc = torch.amp.GradScaler("cpu")
+    with ampdoctor.watch(model, trace=str(tmp_path / name)):
+        for i in range(steps):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(4, 8)).float().pow(2).mean()
+            sc.scale(loss).backward()
+            sc.step(opt)
+            sc.update()
+            opt.zero_grad()
+            if i == edit_at:
+                with torch.no_grad():
+                    model[0].weight.mul_(0.5)
+    r = TraceReader(tmp_path / name)
+    return [x for x in r.stats() if x["kind"] == "weight"], [e for e in r.events() if e["kind"] == "note"]
+
+
+def test_deferred_weights_read_at_the_next_backward_and_at_the_boundary_once_a_script_edits_them(tmp_path, request):
+    """On CUDA a recorded step's weights are read when the next backward starts, the weights the next
+    forward used: the same as after update() unless the script changes them in between. A change is
+    seen (the parameters' versions), said in a note, and from then on the weights are read where each
+    step ends: every step's rows but the edited one equal those read at each boundary."""
+    ref, ref_notes = _weights_edited_at(tmp_path, "now.sqlite", False, request)
+    got, notes = _weights_edited_at(tmp_path, "later.sqlite", True, request)
+    assert len(got) == len(ref) == 6 * 6 and not ref_notes  # 6 steps, 3 layers' weight and bias
+    key = lambda x: (x["step"], x["layer"], x["slot"])  # noqa: E731
+    ref, got = sorted(ref, key=key), sorted(got, key=key)
+    differ = {key(a) for a, b in zip(ref, got) if a != b}
+    assert differ == {(2, got[0]["layer"], "weight")}, differ  # step 2's first weight: halved, read after the edit
+    a, b = [x for x in ref if key(x) == (2, got[0]["layer"], "weight")][0], [x for x in got if key(x) == (2, got[0]["layer"], "weight")][0]
+    assert b["absmax"] == pytest.approx(a["absmax"] / 2) and b["absmax"] != a["absmax"]
+    assert len(notes) == 1 and "changed between the end of step 2 and the next backward" in notes[0]["detail"]["message"]
+
+
+def test_deferred_weights_of_a_watch_removed_before_the_next_backward(tmp_path, deferred_read):
+    """With the weights' read waiting for the next backward, a watch removed before it still has the
+    last step's weight rows, and the session goes on for the other model."""
+    torch.manual_seed(0)
+    a, b = _model(), _model()
+    wa = ampdoctor.watch(a, trace=str(tmp_path / "t.sqlite"))
+    wb = ampdoctor.watch(b)
+    opt = torch.optim.SGD(list(a.parameters()) + list(b.parameters()), lr=1e-2)
+    for i in range(4):
+        (a(torch.randn(4, 8)).pow(2).mean() + b(torch.randn(4, 8)).pow(2).mean()).backward()
+        opt.step()
+        opt.zero_grad()
+        if i == 1:
+            wa.remove()
+    wb.remove()
+    rows = [x for x in TraceReader(tmp_path / "t.sqlite").stats() if x["kind"] == "weight"]
+    per_step = collections.Counter(x["step"] for x in rows)
+    assert per_step == {0: 12, 1: 12, 2: 6, 3: 6}, per_step  # 6 tensors a model; a's last step is 1
 
 
 def test_deferred_read_detail_after_a_nonfinite_loss(tmp_path, deferred_read):
     """As test_detail_after_a_nonfinite_loss_wakes_the_hooks, with the host read deferred as on CUDA
     (a NaN loss is then seen inside a later step, when its backward starts): the detail steps start
     at the next boundary, every step marked recorded has its statistics, no other step has any."""
-    recorded = _inf_at_step_5(tmp_path, 14)
-    assert {0, 4, 8} <= recorded and not {1, 2, 3, 5, 6, 7} & recorded
+    recorded = _inf_at_step_5(tmp_path, 16)
+    assert {0, 4, 8} <= recorded and not {1, 2, 3, 5, 6, 7, 9, 10} & recorded  # (step 8 is written in step 10)
     assert len(recorded - {0, 4, 8, 12}) >= 3  # the detail steps after the NaN loss
 
 
