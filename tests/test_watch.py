@@ -1,7 +1,7 @@
 """watch(): what it records, that it leaves the process exactly as it was, awkward models."""
 
-import json
 import collections
+import json
 import math
 
 import pytest
