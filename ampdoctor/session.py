@@ -496,7 +496,8 @@ class Session:
             cb(self.step)
         decision = None
         if later:
-            self._boundary = (step, list(self.watches), (rows, row_meta, flags, flag_meta, recorded), self._pending_scalars)
+            self._boundary = (step, list(self.watches), (rows, row_meta, flags, flag_meta, recorded), self._pending_scalars,
+                              self.optimizer_steps)
             self._pending_scalars = []
         elif recorded or self._oracle is not None or len(self._pending_scalars) >= self.config.every:
             decision = self._flush_soon(rows, row_meta, flags, flag_meta, recorded)
@@ -587,7 +588,7 @@ class Session:
         b, self._boundary = self._boundary, None
         if b is None:
             return
-        step, watches, (rows, row_meta, flags, flag_meta, recorded), scalars = b
+        step, watches, (rows, row_meta, flags, flag_meta, recorded), scalars, optimizer_steps = b
         try:
             changed = [w for w in watches if w.weights_changed()]
             for w in watches:
@@ -595,10 +596,11 @@ class Session:
             rows.finish()  # (a row that could not be measured is forgotten)
             if changed and not self._boundary_now:
                 self._boundary_now = True
+                why = ("another optimizer stepped after the step ended (at the first optimizer's step)"
+                       if self.optimizer_steps != optimizer_steps else "the script changed them (clipped, reloaded, ...)")
                 self.writer.add_event(step, "note", None, message=(
-                    f"the weights changed between the end of step {step} and the next backward pass (clipped, "
-                    "reloaded, ...): the weight rows of that step show them as changed; from the next step on they "
-                    "are read where each step ends"))
+                    f"the weights changed between the end of step {step} and the next backward pass: {why}. The weight "
+                    "rows of that step show them as changed; from the next step on they are read where each step ends"))
         except Exception as e:  # pragma: no cover - never break the user's training for a statistic
             log.warning("ampdoctor: could not record the weights of step %d: %s: %s", step, type(e).__name__, e)
         try:

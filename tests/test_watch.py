@@ -492,6 +492,39 @@ def test_deferred_weights_read_at_the_next_backward_and_at_the_boundary_once_a_s
     a, b = [x for x in ref if key(x) == (2, got[0]["layer"], "weight")][0], [x for x in got if key(x) == (2, got[0]["layer"], "weight")][0]
     assert b["absmax"] == pytest.approx(a["absmax"] / 2) and b["absmax"] != a["absmax"]
     assert len(notes) == 1 and "changed between the end of step 2 and the next backward" in notes[0]["detail"]["message"]
+    assert "the script changed them" in notes[0]["detail"]["message"]
+
+
+def test_deferred_weights_with_a_second_optimizer_stepping_after_the_first(tmp_path, request):
+    """One backward, then two optimizers' steps (dense and sparse parts): the step ends at the first
+    optimizer's step, so the second one's update falls between the step's end and the next backward.
+    With the weights' read waiting for that backward, step 0 shows the second optimizer's update and
+    says why; from step 1 on the weights are read where each step ends, as without the wait."""
+
+    def record(name, deferred):
+        torch.manual_seed(0)
+        model = _model()
+        if deferred:
+            request.getfixturevalue("deferred_read")
+        first = torch.optim.SGD(model[0].parameters(), lr=0.1)
+        second = torch.optim.SGD([p for m in model[1:] for p in m.parameters()], lr=0.1)
+        with ampdoctor.watch(model, trace=str(tmp_path / name)):
+            for _ in range(4):
+                model(torch.randn(4, 8)).pow(2).mean().backward()
+                first.step()
+                second.step()
+                first.zero_grad()
+                second.zero_grad()
+        r = TraceReader(tmp_path / name)
+        rows = sorted((x for x in r.stats() if x["kind"] == "weight"), key=lambda x: (x["step"], x["layer"], x["slot"]))
+        return rows, [e["detail"]["message"] for e in r.events("note")]
+
+    ref, ref_notes = record("now.sqlite", False)
+    got, notes = record("later.sqlite", True)
+    assert len(got) == len(ref) == 4 * 6 and not ref_notes
+    differ = {(a["step"], a["layer"]) for a, b in zip(ref, got) if a != b}
+    assert {s for s, _ in differ} == {0} and len(differ) == 2, differ  # the second optimizer's two Linears
+    assert len(notes) == 1 and "another optimizer stepped after the step ended" in notes[0]
 
 
 def test_deferred_weights_of_a_watch_removed_before_the_next_backward(tmp_path, deferred_read):
