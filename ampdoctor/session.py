@@ -555,7 +555,7 @@ class Session:
         device-to-host copy starts now (non-blocking, into pinned memory) and is read when a later
         backward pass starts (:meth:`_write_deferred`), or at a later boundary, when it has long
         arrived, so neither the step boundary nor the host work waits for the GPU. With an oracle
-        (``ampdoctor run``/``bisect`` trials) every step is decided at once. ``scalars``: the steps'
+        (bisect's trials) every step is decided at once. ``scalars``: the steps'
         losses and scales (default: those pending, taken)."""
         prev, self._deferred = self._deferred, []
         if scalars is None:
