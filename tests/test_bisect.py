@@ -269,6 +269,11 @@ def test_bisect_says_when_the_culprits_input_came_in_too_large(tmp_path):
     assert {o["op"] for o in res["ops"]} == {"linear"}, res["ops"]  # the probe's own look at the input is not an op
     (line,) = [a for a in res["advice"] if a.startswith("The input of b was already beyond fp16's max")]
     assert "the values grow before it" in line, line
+    # the run folder holds the baseline's trace as the CLI's does, and its report repeats the line
+    from ampdoctor.report import build_report
+    assert (tmp_path / "trace.sqlite").exists() and (tmp_path / "bisect.json").exists()
+    report = build_report(tmp_path)
+    assert report.bisect["culprits"] == ["b"] and line in report.advice, report.advice
 
 
 def test_python_api_bisect(tmp_path):
@@ -558,3 +563,17 @@ def test_python_api_bisect_refuses_a_model_up_front(tmp_path):
         ampdoctor.bisect(torch.nn.Linear(2, 2), out=tmp_path)
     with pytest.raises(TypeError, match="got int"):
         ampdoctor.bisect(3, out=tmp_path)
+
+
+def test_cli_summary_labels_fixes_and_an_input_that_came_in_too_large():
+    """The terminal summary prints the fixes as `fix:` and bisect's line about a culprit's input that
+    was already too large (the cause lies in the code before it) as `cause:`."""
+    from ampdoctor.bisect.cli import _summary
+
+    res = {"verdict": "culprit", "culprits": ["b"], "trials": [], "out": "/tmp/x", "ops": [],
+           "advice": ["Keep b (Linear) in FP32: ampdoctor.keep_fp32(model.b)",
+                      "The input of b was already beyond fp16's max when it was called (abs-max 2.5e+05, step 0): ..."]}
+    lines = _summary(res).splitlines()
+    assert "fix: Keep b (Linear) in FP32: ampdoctor.keep_fp32(model.b)" in lines
+    assert any(line.startswith("cause: The input of b was already beyond") for line in lines), lines
+    assert not any(line.startswith("fix: The input of") for line in lines)

@@ -9,6 +9,7 @@ its own model and optimizer on every call. The result is the same dict as ``ampd
 from __future__ import annotations
 
 import json
+import logging
 import random
 import tempfile
 import time
@@ -21,6 +22,8 @@ from ..config import RunConfig
 from ..session import Session, StopRun, _set_current
 from .driver import BisectOptions, run_bisect
 from .trials import Trial, TrialRunner
+
+log = logging.getLogger(__name__)
 
 
 class InProcessRunner(TrialRunner):
@@ -105,12 +108,17 @@ def bisect(train_fn: Callable[[], Any], *, format: str = "fp16", out: str | Path
                          repeat=repeat, drill=drill)
     runner = InProcessRunner(train_fn, out_dir, seed=seed, fmt=format, oracle=opts.oracle.to_dict(),
                              max_steps=max_steps)
-    from .driver import _clean
+    from .driver import _clean, keep_baseline_trace
     saved = _rng_states()
     try:
-        return _clean(run_bisect(None, [], out_dir, opts, progress=progress, runner=runner))  # as bisect.json: no Inf/NaN
+        res = _clean(run_bisect(None, [], out_dir, opts, progress=progress, runner=runner))  # as bisect.json: no Inf/NaN
     finally:
         _restore_rng(saved)  # the trials reseed the global RNGs: the caller gets back the state it had
+    try:  # the run folder as the CLI leaves it: `ampdoctor report OUT` shows the baseline with the result
+        keep_baseline_trace(out_dir, res)
+    except OSError as e:  # the result stands without it
+        log.warning("ampdoctor: could not copy the baseline trace into %s: %s", out_dir, e)
+    return res
 
 
 def _rng_states() -> tuple:

@@ -51,8 +51,9 @@ def _summary(res: dict) -> str:
         lines.append("The trials could not settle it: " + "; ".join(res.get("notes", [])))
         if res.get("suspects"):
             lines.append("smallest set known to pass: " + ", ".join(c or "(whole model)" for c in res["suspects"]))
-    for a in res.get("advice", []):
-        lines.append(f"fix: {a}")
+    from ..report.culprit import CAME_IN
+    for a in res.get("advice", []):  # (a culprit's input that came in too large: the cause lies before it)
+        lines.append(f"{'cause' if a.startswith(CAME_IN) else 'fix'}: {a}")
     for note in res.get("notes", []) if res["verdict"] != "inconclusive" else []:
         lines.append(f"note: {note}")
     lines.append(f"run folder: {res['out']}  (trials, logs, bisect.json; report: ampdoctor report {res['out']})")
@@ -136,16 +137,11 @@ def bisect_command(out, json_path, fmt, jobs, repeat, timeout, max_steps, margin
 
 def _write_report(out_dir: Path, res: dict) -> None:
     """report.html/json of the baseline trial with the bisect result beside it."""
-    import shutil
+    from .driver import keep_baseline_trace
 
-    base = next((d for d in res.get("trial_details", []) if d["name"] == "baseline"), None)
-    if base is None:
-        return
-    trace = Path(base["folder"]) / "trace.sqlite"
-    if not trace.exists():
-        return
     try:
-        shutil.copy(trace, out_dir / "trace.sqlite")
+        if keep_baseline_trace(out_dir, res) is None:
+            return
         from ..cli import _write_outputs
         from ..report import build_report
 

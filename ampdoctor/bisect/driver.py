@@ -16,6 +16,7 @@ from typing import Any, Callable, Sequence
 
 from ..naming import half_weights_under, is_torch_module, module_expr, plain_fix, root_hint, wrapped_hint
 from ..oracle import OracleConfig
+from ..report.culprit import CAME_IN
 from ..trace import TraceReader
 from .candidates import Baseline, read_baseline
 from .search import find_culprits
@@ -90,7 +91,7 @@ def _came_in_too_large(trace: Path, culprits: Sequence[str], fmt: str) -> list[s
             continue
         absmax = e["detail"].get("absmax")
         held = f"abs-max {_fmt(absmax)}" if absmax is not None else "NaN/Inf"
-        out.append(f"The input of {c or 'the model'} was already beyond {fmt}'s max when it was called ({held}, step "
+        out.append(f"{CAME_IN}{c or 'the model'} was already beyond {fmt}'s max when it was called ({held}, step "
                    f"{e['step']}): the values grow before it, in the code that feeds it. Keeping it in FP32 works "
                    "around that; scaling or normalising its input where it is computed removes the cause.")
     return out
@@ -261,6 +262,19 @@ def _losses(trace: Path) -> dict[str, float]:
             return {str(s["step"]): s["loss"] for s in r.steps() if s["loss"] is not None and math.isfinite(s["loss"])}
     except Exception:
         return {}
+
+
+def keep_baseline_trace(out_dir: Path, res: dict) -> Path | None:
+    """The baseline trial's trace, copied into the run folder as ``trace.sqlite``: ``ampdoctor report
+    DIR`` then shows it with the bisect result beside it. None when there is none (it never ran)."""
+    import shutil
+
+    base = next((d for d in res.get("trial_details", []) if d["name"] == "baseline"), None)
+    trace = Path(base["folder"]) / "trace.sqlite" if base is not None else None
+    if trace is None or not trace.exists():
+        return None
+    shutil.copy(trace, Path(out_dir) / "trace.sqlite")
+    return Path(out_dir) / "trace.sqlite"
 
 
 def _clean(o: Any) -> Any:

@@ -12,6 +12,8 @@ from .phrasing import fmt_num, module_expr
 
 __all__ = ["MATMUL_OPS", "culprits", "culprit_advice", "attention_advice"]
 
+# how bisect's advice line starts when a culprit's input was already beyond the format's max as it was called
+CAME_IN = "The input of "
 MATMUL_OPS = ("matmul", "bmm", "baddbmm", "mm", "addmm", "linear", "einsum", "scaled_dot_product_attention")
 
 
@@ -112,6 +114,8 @@ def culprit_advice(report: Report) -> list[str]:
         lines[0] += (" (a suspect from this run's numbers: `ampdoctor bisect` re-runs the script to check that it "
                      "really fixes training, or finds that FP32 breaks too)")
         lines += _nan_not_overflow(report, names[0])
+    else:  # what bisect's drill-down saw of the culprits' inputs (bisect.json's advice)
+        lines += [a for a in (report.bisect or {}).get("advice") or [] if isinstance(a, str) and a.startswith(CAME_IN)]
     return lines
 
 
