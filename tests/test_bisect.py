@@ -274,6 +274,9 @@ def test_bisect_says_when_the_culprits_input_came_in_too_large(tmp_path):
     assert (tmp_path / "trace.sqlite").exists() and (tmp_path / "bisect.json").exists()
     report = build_report(tmp_path)
     assert report.bisect["culprits"] == ["b"] and line in report.advice, report.advice
+    # every output value of b was NaN or Inf: no "largest finite abs-max 0"
+    keep = next(a for a in report.advice if a.startswith("Keep b"))
+    assert "its output overflowed to Inf (fp16 max 65504; no finite value, " in keep and "largest finite" not in keep, keep
 
 
 def test_python_api_bisect(tmp_path):

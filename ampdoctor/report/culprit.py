@@ -61,7 +61,9 @@ def _evidence(report: Report, layer: str) -> str:
         if r is None or not (r.bad or r.headroom_bits < 1):
             continue
         what = {"activation": "output", "gradient": "gradient", "weight_grad": "weight gradient"}.get(kind, kind)
-        if r.inf:  # the recorded abs-max is of its finite values
+        if r.inf and r.numel and r.nan + r.inf >= r.numel:  # every value recorded was NaN or Inf
+            s = f"its {what} overflowed to Inf ({fmt.name} max {fmt.max:.6g}; no finite value"
+        elif r.inf:  # the recorded abs-max is of its finite values
             s = f"its {what} overflowed to Inf ({fmt.name} max {fmt.max:.6g}; largest finite abs-max {fmt_num(r.absmax)}"
         elif math.isnan(r.headroom_bits):
             s = f"its {what} held no finite value (every value NaN"
