@@ -308,3 +308,13 @@ def test_fix_says_which_object_model_is_when_the_watch_rooted_at_an_inner_module
     fix = next(a for a in report["advice"] if "keep_fp32(model.hidden)" in a)
     assert "(`model`: your Net object)" in fix, fix
     assert "# model: your Net object" in (tmp_path / "r.html").read_text()
+
+
+def test_report_of_a_bisect_folder_without_a_baseline_trace(tmp_path):
+    """A bisect folder whose baseline left no trace (it crashed before writing one, or a folder from an older
+    in-process bisect): `ampdoctor report` says what the folder is and where its result is, no traceback."""
+    (tmp_path / "bisect.json").write_text(json.dumps({"verdict": "error", "culprits": [], "trials": []}))
+    p = amp("report", tmp_path)
+    assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
+    assert "is a bisect folder that holds no trace of its baseline run (verdict: error)" in p.stderr, p.stderr
+    assert str(tmp_path / "bisect.json") in p.stderr

@@ -397,7 +397,19 @@ def _other_ranks(files: list[Path], shown: Path) -> list[str]:
 
 def build_report(path: str | Path, *, rank: int = 0) -> Report:
     """Read a trace file (or a run folder's rank-``rank`` trace) into a :class:`Report`."""
-    files = find_traces(path)
+    try:
+        files = find_traces(path)
+    except FileNotFoundError as e:
+        result = Path(path) / "bisect.json" if Path(path).is_dir() else None
+        if result is None or not result.exists():
+            raise
+        try:
+            verdict = json.loads(result.read_text()).get("verdict")
+        except (OSError, ValueError, AttributeError):
+            verdict = None
+        raise FileNotFoundError(
+            f"{path} is a bisect folder that holds no trace of its baseline run (verdict: {verdict or 'unknown'}): "
+            f"the result is in {result}, the trials' folders under {Path(path) / 'trials'}") from e
     trace = files[0]
     if Path(path).is_dir():  # a run folder: the trace of rank ``rank`` (trace.rankN.sqlite), not the N-th file
         ranks = {_rank_of(f)[0]: f for f in files}
