@@ -590,9 +590,9 @@ class Session:
             return
         step, watches, (rows, row_meta, flags, flag_meta, recorded), scalars, optimizer_steps = b
         try:
-            changed = [w for w in watches if w.weights_changed()]
             for w in watches:
                 w.record_weights(rows)
+            changed = [w for w in watches if w.weights_changed()]
             rows.finish()  # (a row that could not be measured is forgotten)
             if changed and not self._boundary_now:
                 self._boundary_now = True
@@ -684,7 +684,6 @@ class Session:
         try:
             if self._active or self._rows:
                 try:
-                    self.settle_boundary()
                     self._partial_step()
                 except StopRun:
                     pass
@@ -692,14 +691,13 @@ class Session:
                     log.warning("ampdoctor: could not flush the last step: %s", e)
             if self._pending_scalars:  # steps not recorded since the last write (every > 1)
                 try:
-                    self.settle_boundary()
                     self._flush_soon(StepRows(self._row_policy), [], [], [], False)
                 except StopRun:
                     pass
                 except Exception as e:  # pragma: no cover - never mask the user's own error
                     log.warning("ampdoctor: could not write the last steps: %s", e)
         finally:
-            if self._deferred or self._boundary is not None:
+            if self._deferred or self._boundary is not None:  # (a waiting step has no pending scalars left)
                 try:
                     self.sync()
                 except Exception as e:  # pragma: no cover - never mask the user's own error

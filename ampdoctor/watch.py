@@ -641,14 +641,13 @@ class Watch:
             self._marked = (ps, [None if p is None else p._version for p in ps])
 
     def weights_changed(self) -> bool:
-        """Whether a parameter was changed in place or replaced since :meth:`mark_weights`."""
+        """Whether a parameter was changed in place or replaced since :meth:`mark_weights` (read
+        after :meth:`record_weights`, which has brought the parameters up to date)."""
         marked, self._marked = self._marked, None
         if marked is None or self._removed:
             return False
-        self._sync_params()
         ps, vs = marked
-        return any(e[2] is not p or (p is not None and p._version != v) for e, p, v in zip(self._params, ps, vs)) \
-            or len(ps) != len(self._params)
+        return any(e[2] is not p or (p is not None and p._version != v) for e, p, v in zip(self._params, ps, vs))
 
     def _force(self, names: list[str]) -> None:
         from .precision import force_fp32

@@ -9,6 +9,7 @@ import click
 
 from ..formats import FORMATS
 from ..oracle import OracleConfig
+from ..report.culprit import CAME_IN
 
 _ORACLE = OracleConfig()  # its defaults, shown in --help
 
@@ -51,7 +52,6 @@ def _summary(res: dict) -> str:
         lines.append("The trials could not settle it: " + "; ".join(res.get("notes", [])))
         if res.get("suspects"):
             lines.append("smallest set known to pass: " + ", ".join(c or "(whole model)" for c in res["suspects"]))
-    from ..report.culprit import CAME_IN
     for a in res.get("advice", []):  # (a culprit's input that came in too large: the cause lies before it)
         lines.append(f"{'cause' if a.startswith(CAME_IN) else 'fix'}: {a}")
     for note in res.get("notes", []) if res["verdict"] != "inconclusive" else []:
