@@ -1,0 +1,181 @@
+"""Where the GPU time of a recorded step goes: BERT-base of ``overhead_gpu.py`` (fp16 AMP, AdamW)
+under a CUDA-only profiler, baseline and ``watch(every=1)``.
+
+1. Kernel time per step by kernel name, with and without the watch, and the difference: what the
+   watch adds to the GPU's work, kernel by kernel.
+2. The statistics launches (NVRTC ``stage1``/``stage2``, the flags kernel ``nonfinite``), matched in
+   order to the launches the host made, each tagged with what it measured (forward outputs, output
+   gradients, weight gradients, weights) and its bytes: GPU ms, GB and GB/s per tag, and the
+   slowest launches.
+
+Run:  python benchmarks/kernel_time.py [--batch 128] [--seq 512] [--steps 4] [--slowest 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import overhead_gpu  # noqa: E402
+
+import ampdoctor  # noqa: E402
+from ampdoctor import _stats_nvrtc as nv  # noqa: E402
+from ampdoctor import watch as watch_mod  # noqa: E402
+
+_ELSIZE = {0: 2, 1: 2, 2: 4}
+_tag = ["forward"]
+_launches: list[tuple[str, str, int, int, int]] = []  # (kernel, tag, grid, tensors, bytes)
+
+
+def _instrument() -> None:
+    """Wrap the launch paths so that each launch the host makes is logged with what it reads."""
+    add = nv.Plan._add
+
+    def _add(self, k, grid, block, args):
+        add(self, k, grid, block, args)
+        table = args[0]
+        t = list(table.v) if hasattr(table, "v") else list(table)
+        m = args[1]
+        if len(args) == 6 and not isinstance(args[2], ctypes_void):  # stage1: (table, m, g0, g1, c0, acc)
+            g0, g1 = args[2], args[3]
+            nbytes = sum(t[nv.MAXT + g] * _ELSIZE[t[5 * nv.MAXT + 1 + g]] for g in range(g0, g1))
+            self._launches[-1] = self._launches[-1] + (("stage1", g1 - g0, nbytes),)
+        else:
+            self._launches[-1] = self._launches[-1] + (("stage2", m, 0),)
+
+    def plan_launch(self, out, gate):
+        dev = self.dev
+        stream = nv.raw_stream(dev)
+        self._out.value = out.data_ptr()
+        self._gate.value = (gate if gate is not None else nv._scratch_gate(dev)).data_ptr()
+        self._acc.value = nv._accumulators(dev, stream, self.acc_width).data_ptr()
+        tag = _tag[0] if torch._C._current_graph_task_id() == -1 or _tag[0] != "forward" else "backward"
+        for k, grid, block, arr, info in self._launches:
+            name, ntens, nbytes = info
+            _launches.append((name, tag, grid, ntens, nbytes))
+            k.launch_packed(grid, block, arr, stream)
+
+    run_flags = nv.run_flags
+
+    def flags(numel, ptr, kinds, gate, out):
+        tag = "flags (" + ("backward" if torch._C._current_graph_task_id() != -1 else _tag[0]) + ")"
+        n = len(numel)
+        for lo in range(0, n, nv.FMAXT):
+            hi = min(lo + nv.FMAXT, n)
+            nbytes = sum(int(numel[i]) * _ELSIZE[int(kinds[i])] for i in range(lo, hi))
+            if nbytes:
+                _launches.append(("nonfinite", tag, 0, hi - lo, nbytes))
+        return run_flags(numel, ptr, kinds, gate, out)
+
+    nv.Plan._add = _add
+    nv.Plan.launch = plan_launch
+    nv.run_flags = flags
+
+    def tagged(fn, tag):
+        def inner(*a, **k):
+            old, _tag[0] = _tag[0], tag
+            try:
+                return fn(*a, **k)
+            finally:
+                _tag[0] = old
+        return inner
+
+    watch_mod.Watch.record_weights = tagged(watch_mod.Watch.record_weights, "weights")
+    watch_mod.Watch.record_weight_grads = tagged(watch_mod.Watch.record_weight_grads, "weight grads")
+
+
+ctypes_void = nv.ctypes.c_void_p
+
+
+def _kernels(prof) -> list[tuple[float, float, str]]:
+    out = []
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start:
+            out.append((e.time_range.start, e.time_range.end, e.name))
+    return sorted(out)
+
+
+def profile(step, steps: int) -> list[tuple[float, float, str]]:
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    return _kernels(prof)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--slowest", type=int, default=12)
+    a = p.parse_args()
+    model, step, desc = overhead_gpu.build(a.batch, a.seq)
+    print(f"B={a.batch} T={a.seq}: {desc}; torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    base = profile(step, a.steps)
+    _instrument()
+    tempfile.tempdir = tempfile.mkdtemp()
+    w = ampdoctor.watch(model, every=1, trace=os.path.join(tempfile.tempdir, "t.sqlite"))
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    _launches.clear()
+    watched = profile(step, a.steps)
+    w.remove()
+    # the launches logged during the two warm-up steps inside profile() come first: drop them
+    ours = [k for k in watched if k[2] in ("stage1", "stage2", "nonfinite")]
+    logged = _launches[len(_launches) - len(ours):] if len(_launches) >= len(ours) else None
+
+    def by_name(ks):
+        d: dict = collections.defaultdict(float)
+        for s, e, n in ks:
+            d[n[:70]] += (e - s) / 1e3 / a.steps
+        return d
+
+    b, wd = by_name(base), by_name(watched)
+    print(f"\nkernel ms/step: baseline {sum(b.values()):.2f}, watch {sum(wd.values()):.2f}")
+    print("| kernel | baseline ms/step | watch ms/step | difference |")
+    print("|---|---|---|---|")
+    for n in sorted(set(b) | set(wd), key=lambda n: -abs(wd.get(n, 0) - b.get(n, 0)))[:20]:
+        print(f"| {n} | {b.get(n, 0):.3f} | {wd.get(n, 0):.3f} | {wd.get(n, 0) - b.get(n, 0):+.3f} |")
+    if logged is None or [x[0] for x in logged] != [k[2] for k in ours]:
+        print(f"\nthe profiled statistics kernels ({len(ours)}) do not match the logged launches "
+              f"({len(_launches)}): no per-tag table")
+        return
+    per: dict = collections.defaultdict(lambda: [0.0, 0, 0, 0])
+    rows = []
+    for (s, e, _n), (name, tag, grid, ntens, nbytes) in zip(ours, logged):
+        ms = (e - s) / 1e3
+        r = per[(name, tag)]
+        r[0] += ms / a.steps
+        r[1] += nbytes / a.steps
+        r[2] += 1
+        r[3] += ntens
+        rows.append((ms, name, tag, grid, ntens, nbytes))
+    print("\n| kernel | measures | launches/step | tensors/step | GPU ms/step | GB/step | GB/s |")
+    print("|---|---|---|---|---|---|---|")
+    for (name, tag), (ms, nb, cnt, nt) in sorted(per.items(), key=lambda kv: -kv[1][0]):
+        gbs = f"{nb / 1e6 / ms:.0f}" if nb and ms else ""
+        print(f"| {name} | {tag} | {cnt / a.steps:.0f} | {nt / a.steps:.0f} | {ms:.3f} | {nb / 1e9:.2f} | {gbs} |")
+    tot_ms = sum(v[0] for v in per.values())
+    tot_gb = sum(v[1] for v in per.values()) / 1e9
+    print(f"\nall statistics kernels: {tot_ms:.2f} ms/step, {tot_gb:.2f} GB/step, {tot_gb / tot_ms * 1e3:.0f} GB/s")
+    print("\nslowest launches for their bytes (GB/s, at least 1 MB):")
+    print("| GPU us | kernel | measures | grid | tensors | MB | GB/s |")
+    print("|---|---|---|---|---|---|---|")
+    sel = [r for r in rows if r[5] >= 1e6]
+    for ms, name, tag, grid, ntens, nbytes in sorted(sel, key=lambda r: r[5] / r[0])[:a.slowest]:
+        print(f"| {ms * 1e3:.1f} | {name} | {tag} | {grid} | {ntens} | {nbytes / 1e6:.1f} | {nbytes / 1e6 / ms:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
