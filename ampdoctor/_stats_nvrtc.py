@@ -33,6 +33,8 @@ NT2 = 64              # stage-2 threads per block
 MIN_CHUNK = 1 << 16   # elements per stage-1 block, at least (the histogram fold costs ~P loads a thread)
 MIN_CHUNK_FP32 = MIN_CHUNK  # the same for fp32 tensors (twice the bytes an element)
 MAX_CHUNKS = 8192     # per tensor: huge tensors get longer chunks, not more
+FEW_BLOCKS = 1024     # a launch with fewer 64K-element chunks than this (about one wave of resident
+SMALL_CHUNK = 4096    # blocks on an H200) gets shorter chunks, down to this: more SMs read its bytes
 ALIGN = 1024          # chunk starts are multiples of this many elements (16-byte vector loads)
 
 # dtype -> (kind, bits, mantissa bits, exponent bias); fp64 and fp8 are not ours (torch path)
@@ -187,12 +189,27 @@ def available(dev: torch.device | None = None) -> bool:
         return False
 
 
-def chunking(n: int) -> tuple[int, int]:
-    """(chunk length, number of chunks) of a tensor of ``n`` elements; chunk lengths are
-    multiples of ALIGN (0 chunks for an empty tensor)."""
-    nchunk = min(max(-(-n // MIN_CHUNK), 1), MAX_CHUNKS)
+def chunking(n: int, min_chunk: int = MIN_CHUNK) -> tuple[int, int]:
+    """(chunk length, number of chunks) of a tensor of ``n`` elements whose launch table chunks
+    at ``min_chunk`` (see :func:`table_chunk`); chunk lengths are multiples of ALIGN (0 chunks for
+    an empty tensor)."""
+    nchunk = min(max(-(-n // min_chunk), 1), MAX_CHUNKS)
     clen = max(-(-n // (nchunk * ALIGN)) * ALIGN, ALIGN)
     return clen, -(-n // clen)
+
+
+def table_chunk(numel: Sequence[int]) -> int:
+    """The chunk length a launch table of tensors of these element counts chunks at, at least:
+    MIN_CHUNK, or, for a table of fewer than FEW_BLOCKS such chunks (a step's weights, a small
+    flush), the length that gives it about FEW_BLOCKS chunks, not below SMALL_CHUNK. A launch of a
+    few hundred 64K-element blocks leaves most of the GPU's SMs idle: each block reads its chunk at
+    a small fraction of the memory bandwidth. Any chunking gives the same rows (integer counts,
+    exact minima and maxima)."""
+    total = sum(-(-int(n) // MIN_CHUNK) for n in numel)
+    if total >= FEW_BLOCKS:
+        return MIN_CHUNK
+    want = -(-sum(int(n) for n in numel) // FEW_BLOCKS)
+    return min(MIN_CHUNK, max(SMALL_CHUNK, -(-want // ALIGN) * ALIGN))
 
 
 MAXT = 64                        # tensors a launch takes (the table is a kernel parameter)
@@ -219,6 +236,10 @@ def tables(numel: Sequence[int], ptr: Sequence[int], rows: Sequence[int], kinds:
     else:
         minc = np.where(np.asarray(kinds, dtype=np.int64) == 2, MIN_CHUNK_FP32, MIN_CHUNK)
         nchunk = np.clip(-(-n // minc), 1, MAX_CHUNKS)
+    for lo in range(0, len(n), MAXT):  # a table of few chunks: shorter ones (table_chunk)
+        part = n[lo:lo + MAXT]
+        if int(np.sum(-(-part // MIN_CHUNK))) < FEW_BLOCKS:
+            nchunk[lo:lo + MAXT] = np.clip(-(-part // table_chunk(part.tolist())), 1, MAX_CHUNKS)
     clen = np.maximum(-(-n // (nchunk * ALIGN)) * ALIGN, ALIGN)
     nch = -(-n // clen)  # as chunking(), per tensor
     cols = (np.asarray(ptr, dtype=np.int64), n, clen, np.asarray(rows, dtype=np.int64),

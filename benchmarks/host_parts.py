@@ -57,8 +57,9 @@ def _instrument() -> None:
     T = importlib.import_module("ampdoctor.trace")
     parts = [
         (S.Session, ["on_backward", "_write_deferred", "end_step", "on_scaler_update", "add_param_rows", "_flush_soon",
-                     "_start_copy", "_reset_step"]),
-        (W.Watch, ["record_weight_grads", "record_weights", "prune_pre_hooks", "sleep", "snapshot_grads"]),
+                     "_start_copy", "_reset_step", "_end_step", "settle_boundary"]),
+        (W.Watch, ["record_weight_grads", "record_weights", "prune_pre_hooks", "sleep", "snapshot_grads",
+                     "mark_weights", "weights_changed"]),
         (W._GradWork, ["__call__"]),
         (R.StepRows, ["flush", "add_now", "_measure", "_measure_flags", "finish"]),
         (R.RowPolicy, ["room"]),

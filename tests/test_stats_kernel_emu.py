@@ -84,12 +84,15 @@ def test_emulated_kernel_rows_equal_torch_path(build, dtype, fmt):
                                         got[j], ref[j]) for j in bad[:8]])
 
 
-def test_launch_tables_match_per_tensor_chunking():
-    """The launch tables built in one numpy pass hold, per tensor, what ``chunking`` gives it, and
-    the chunk offsets add up, across table boundaries (MAXT tensors a table)."""
+@pytest.mark.parametrize("sizes", [[0, 1, 1023, 1024, 1025, 1 << 16, (1 << 16) + 1, 3 << 20, 1 << 31],
+                                   [0, 1, 768, 3072, 1 << 16, 589_824, 2_359_296]])  # (the second: weights)
+def test_launch_tables_match_per_tensor_chunking(sizes):
+    """The launch tables built in one numpy pass hold, per tensor, what ``chunking`` gives it at
+    its table's ``table_chunk``, and the chunk offsets add up, across table boundaries (MAXT
+    tensors a table)."""
     rng = np.random.default_rng(0)
     m = 2 * _stats_nvrtc.MAXT + 5
-    numel = rng.choice([0, 1, 1023, 1024, 1025, 1 << 16, (1 << 16) + 1, 3 << 20, 1 << 31], size=m)
+    numel = rng.choice(sizes, size=m)
     ptr = rng.integers(1, 1 << 40, size=m) * 16
     rows = rng.permutation(m)
     kinds = rng.integers(0, 3, size=m)
@@ -99,14 +102,33 @@ def test_launch_tables_match_per_tensor_chunking():
     for j, t in enumerate(got):
         lo = j * T
         part = range(lo, min(lo + T, m))
+        minc = _stats_nvrtc.table_chunk([int(numel[k]) for k in part])
         c = 0
         for i, k in enumerate(part):
-            clen, nch = _stats_nvrtc.chunking(int(numel[k]))
+            clen, nch = _stats_nvrtc.chunking(int(numel[k]), minc)
             assert (t[i], t[T + i], t[2 * T + i], t[3 * T + 1 + i], t[4 * T + 1 + i], t[5 * T + 1 + i]) == (
                 ptr[k], numel[k], c, clen, rows[k], kinds[k])
             c += nch
         assert t[2 * T + len(part)] == c
         assert not t[len(part):T].any()  # unused entries stay zero
+
+
+def test_table_chunk_shortens_only_tables_of_few_blocks():
+    """A table of fewer than FEW_BLOCKS 64K-element chunks (a step's weights) chunks shorter, to
+    about FEW_BLOCKS chunks, never below SMALL_CHUNK; chunk lengths stay multiples of ALIGN and
+    cover every element; a table with enough chunks keeps MIN_CHUNK."""
+    nv = _stats_nvrtc
+    weights = [589_824] * 48 + [768] * 16  # 64 BERT-base-like parameters: 432 chunks of 64K
+    minc = nv.table_chunk(weights)
+    assert nv.SMALL_CHUNK <= minc < nv.MIN_CHUNK and minc % nv.ALIGN == 0
+    blocks = sum(nv.chunking(n, minc)[1] for n in weights)
+    assert nv.FEW_BLOCKS * 0.9 <= blocks <= nv.FEW_BLOCKS * 1.1, blocks
+    assert sum(nv.chunking(n)[1] for n in weights) < nv.FEW_BLOCKS // 2
+    assert nv.table_chunk([768] * 64) == nv.SMALL_CHUNK  # tiny tensors: one chunk each all the same
+    assert nv.table_chunk([50_331_648] * 2) == nv.MIN_CHUNK  # 1536 chunks of 64K: enough
+    for n in (1, 1023, 1025, 589_824, 3 << 20):
+        clen, nch = nv.chunking(n, minc)
+        assert clen % nv.ALIGN == 0 and (nch - 1) * clen < n <= nch * clen
 
 
 def test_flags_kernel_bits(tmp_path):
