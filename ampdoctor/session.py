@@ -407,7 +407,7 @@ class Session:
             return
         t = tensors[0] if isinstance(tensors, (tuple, list)) and len(tensors) == 1 else tensors
         if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point() and not t.is_meta:
-            self._losses.append(t.detach().reshape(()).to(torch.float64))
+            self._losses.append(t.detach().reshape(()).to(torch.float64, copy=True))
 
     def on_scaled_loss(self, scaler: Any, loss: torch.Tensor) -> None:
         self._active = True
@@ -416,13 +416,13 @@ class Session:
                 self._losses.clear()  # a backward before scale() was not the training loss
             self._scaled_loss_seen = True
             self._scaled_loss_active = True
-            self._losses.append(loss.detach().reshape(()).to(torch.float64))
+            self._losses.append(loss.detach().reshape(()).to(torch.float64, copy=True))
         self._scaler = scaler
 
     def on_scaler_update(self, scaler: Any, before: torch.Tensor | None, after: torch.Tensor | None) -> None:
         self._scaler = scaler
         if after is not None:
-            self._scale_after = after.detach().reshape(()).to(torch.float64).clone()
+            self._scale_after = after.detach().reshape(()).to(torch.float64, copy=True)  # (its own copy: update() changes _scale in place)
             if before is not None:
                 self._skipped = (after.reshape(()) < before.reshape(())).to(torch.float64)
         self.end_step()
@@ -481,7 +481,7 @@ class Session:
         step = self.step
         scalars = {
             # gradient accumulation passes loss / n per micro-batch: their sum is the step's loss
-            "loss": torch.stack(self._losses).sum() if self._losses else None,
+            "loss": (self._losses[0] if len(self._losses) == 1 else torch.stack(self._losses).sum()) if self._losses else None,
             "scale": self._scale_after,
             "skipped": self._skipped,
             "optimizer_steps": self.optimizer_steps,
