@@ -1,5 +1,7 @@
 """One step's device data bound for the host: one ``cat`` and one copy per device; on CUDA the
-copy goes non-blocking into pinned memory and an event marks its arrival (read later: when the next step's backward starts, or at the next boundary)."""
+copy goes non-blocking into pinned memory and an event marks its arrival (read later: where the
+next step's backward ends if it has arrived by then, else when the backward after starts, or at the
+next boundary)."""
 
 from __future__ import annotations
 
@@ -43,6 +45,10 @@ class HostCopy:
             else:
                 self._host[dev] = flat.cpu()
         self._pieces.clear()
+
+    def arrived(self) -> bool:
+        """Whether the copy has reached the host (no wait; a copy to the CPU has at once)."""
+        return all(ev.query() for ev in self._events.values())
 
     def reader(self):
         """``take(what)``: the next piece, in the order they were put (waits for the copy)."""

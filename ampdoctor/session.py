@@ -353,8 +353,9 @@ class Session:
         self._queue_backward_flush()
 
     def _queue_backward_flush(self) -> None:
-        # Once per backward pass: flush when it ends, before anything changes gradients in place.
-        if self.closed or not self.recording:
+        # Once per backward pass: flush when it ends, before anything changes gradients in place; and
+        # where the outermost one ends, write a deferred step whose host copy has arrived by then.
+        if self.closed or not (self.recording or self._deferred):
             return
         try:
             task = torch._C._current_graph_task_id()
@@ -367,12 +368,15 @@ class Session:
         # the first backward pass seen after a loss.backward() called outside any backward is that
         # one's; a nested one (a reentrant checkpoint's, ...) ends before its outer pass does
         outer, self._outer_next = self._outer_next, False
+        recording = self.recording
 
         def at_backward_end() -> None:
-            if rows is self._rows:
+            if recording and rows is self._rows:
                 for w in self.watches:
                     w.record_weight_grads()
                 self.flush_rows(flags=outer)
+            if outer and self._deferred:
+                self._write_arrived()
 
         torch.autograd.Variable._execution_engine.queue_callback(at_backward_end)
 
@@ -390,7 +394,7 @@ class Session:
         self._outer_next = outer = torch._C._current_graph_task_id() == -1  # not called from inside a backward
         if self._deferred or self._boundary is not None:
             self._write_deferred()
-        if self.recording:  # the weight gradients are read where this backward pass ends
+        if self.recording or self._deferred:  # the weight gradients are read where this backward pass ends
             roots = tensors if isinstance(tensors, (tuple, list)) else (tensors,)
             for t in roots:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -552,8 +556,9 @@ class Session:
     def _flush_soon(self, rows: StepRows, row_meta: list, flags: list, flag_meta: list, recorded: bool,
                     scalars: list | None = None) -> Any:
         """:meth:`_flush` this step's data, now or, on CUDA without an oracle, later: the
-        device-to-host copy starts now (non-blocking, into pinned memory) and is read when a later
-        backward pass starts (:meth:`_write_deferred`), or at a later boundary, when it has long
+        device-to-host copy starts now (non-blocking, into pinned memory) and is read where the next
+        backward pass ends if it has arrived (:meth:`_write_arrived`), else when a later backward pass
+        starts (:meth:`_write_deferred`), or at a later boundary, when it has long
         arrived, so neither the step boundary nor the host work waits for the GPU. With an oracle
         (bisect's trials) every step is decided at once. ``scalars``: the steps'
         losses and scales (default: those pending, taken)."""
@@ -633,6 +638,26 @@ class Session:
             log.warning("ampdoctor: could not write step statistics: %s: %s", type(e).__name__, e)
         finally:
             self._mid_step = False
+
+    def _write_arrived(self) -> None:
+        """Write the deferred step(s) where a backward pass ends, if their host copy has arrived
+        (it started where this pass began, behind the forward, so it usually has): no wait, and a
+        step is written one step after it, not two. One still in flight waits for the next
+        backward pass to start (:meth:`_write_deferred`). Runs in autograd's final callback;
+        never raises."""
+        jobs = self._deferred
+        try:
+            if self.closed or not all(job[0].arrived() for job in jobs):
+                return
+            self._deferred = []
+            mid, self._mid_step = self._mid_step, True
+            try:
+                for job in jobs:
+                    self._run_flush(job)
+            finally:
+                self._mid_step = mid
+        except Exception as e:  # pragma: no cover - never break the user's backward for a statistic
+            log.warning("ampdoctor: could not write step statistics: %s: %s", type(e).__name__, e)
 
     def _start_copy(self, rows: StepRows, scalars: list) -> _HostCopy:
         """Start the step's single device-to-host transfer (one per device; no sync)."""

@@ -415,8 +415,8 @@ def test_pure_half_model_records_fp16(tmp_path):
 
 @pytest.mark.parametrize("every", [1, 3])
 def test_deferred_host_read_writes_the_same_trace(tmp_path, request, every):
-    """On CUDA a recorded step's one host copy is read later: when the next step's backward starts
-    (the host work then overlaps the GPU's forward), or at the next boundary, or at remove(). Forced
+    """On CUDA a recorded step's one host copy is read later: where the next step's backward ends (the
+    host work then overlaps the GPU's backward), or at the next boundary, or at remove(). Forced
     here on the CPU: the trace is the one written when each step is read at its own boundary."""
 
     def record(name, deferred):
@@ -448,8 +448,8 @@ def test_deferred_host_read_writes_the_same_trace(tmp_path, request, every):
     if every == 1:
         assert ref[3] == list(range(7))  # read at its own boundary: written before the next step's backward
         # deferred: step i's weights measured and its copy started when step i+1's backward starts, and the
-        # step written when step i+2's does
-        assert got[3] == [0, 0] + list(range(5))
+        # step written where that backward ends (its copy has arrived): one step later, not two
+        assert got[3] == [0] + list(range(6))
 
 
 
@@ -549,10 +549,10 @@ def test_deferred_weights_of_a_watch_removed_before_the_next_backward(tmp_path, 
 
 def test_deferred_read_detail_after_a_nonfinite_loss(tmp_path, deferred_read):
     """As test_detail_after_a_nonfinite_loss_wakes_the_hooks, with the host read deferred as on CUDA
-    (a NaN loss is then seen inside a later step, when its backward starts): the detail steps start
+    (a NaN loss is then seen inside the next step, where its backward ends): the detail steps start
     at the next boundary, every step marked recorded has its statistics, no other step has any."""
     recorded = _inf_at_step_5(tmp_path, 16)
-    assert {0, 4, 8} <= recorded and not {1, 2, 3, 5, 6, 7, 9, 10} & recorded  # (step 8 is written in step 10)
+    assert {0, 4, 8, 10} <= recorded and not {1, 2, 3, 5, 6, 7, 9} & recorded  # (step 8 is written in step 9)
     assert len(recorded - {0, 4, 8, 12}) >= 3  # the detail steps after the NaN loss
 
 
