@@ -15,7 +15,6 @@ import click
 from .formats import FORMATS
 
 SCRIPT_CTX = {"ignore_unknown_options": True, "allow_interspersed_args": False}
-FORMAT_CHOICE = click.Choice(sorted(FORMATS), case_sensitive=False)
 
 
 def _script_args(args: Sequence[str]) -> list[str]:
@@ -161,8 +160,10 @@ def _write_outputs(report, json_path: str | None, html_path: str | None, csv_pat
 @main.command(context_settings=SCRIPT_CTX)
 @click.option("--out", "out", type=click.Path(file_okay=False), default=None,
               help="Run folder for the trace and reports [default: ./ampdoctor-runs/<script>-run-<time>].")
-@click.option("--format", "fmt", type=FORMAT_CHOICE, default="fp16", show_default=True,
-              help="Target format the statistics are measured against.")
+@click.option("--format", "fmt", type=click.Choice(["auto"] + sorted(FORMATS), case_sensitive=False), default="auto",
+              show_default=True,
+              help="Target format the statistics are measured against (auto: what the script trains in: "
+                   "autocast's dtype, else the model's fp16/bf16 dtype, else fp16).")
 @click.option("--every", type=click.IntRange(min=1), default=1, show_default=True, help="Record full statistics every N steps.")
 @click.option("--max-steps", type=click.IntRange(min=1), default=None, help="Stop the script cleanly after N steps.")
 @click.option("--all-modules", is_flag=True, help="Statistics for container modules too [default: leaves and modules that own parameters].")

@@ -18,7 +18,7 @@ ENV_VAR = "AMPDOCTOR_CONFIG"
 @dataclass
 class RunConfig:
     trace: str | None = None          # trace file to write (one per rank: ``.rankN`` added for N > 0)
-    format: str = "fp16"              # target format the statistics are measured against
+    format: str = "auto"              # target format the statistics are measured against ("auto": formats.detect_format)
     every: int = 1                    # record full statistics every N steps
     all_modules: bool = False         # statistics for containers too, not only leaves
     max_steps: int | None = None      # stop the script cleanly after N steps

@@ -99,3 +99,28 @@ def get_format(fmt: str | torch.dtype | Format) -> Format:
     if key not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; use one of {sorted(FORMATS)}")
     return FORMATS[key]
+
+
+AUTO = "auto"  # the format of what the run trains in, decided at the first watched forward (detect_format)
+
+
+def detect_format(module: torch.nn.Module) -> tuple[str, str]:
+    """(format name, why) for a run whose format was not given, where the first watched forward of
+    ``module`` starts: the dtype autocast casts to, when autocast is on for the parameters' device
+    type (float16: fp16, bfloat16: bf16); else the parameters' own dtype when it is float16 or
+    bfloat16 (a pure ``.half()``/``.bfloat16()`` model); else fp16 (an FP32 run: the FP16
+    readiness check)."""
+    p = next((q for q in module.parameters() if q.is_floating_point()), None)
+    kinds = [p.device.type] if p is not None else ["cuda", "cpu"]
+    for kind in kinds:
+        try:
+            if torch.is_autocast_enabled(kind):
+                dt = torch.get_autocast_dtype(kind)
+                name = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dt)
+                if name is not None:
+                    return name, f"autocast to {str(dt).replace('torch.', '')}"
+        except (RuntimeError, TypeError, AttributeError):  # a device type without autocast, an older torch
+            continue
+    if p is not None and p.dtype in (torch.float16, torch.bfloat16):
+        return ("fp16" if p.dtype == torch.float16 else "bf16"), f"{str(p.dtype).replace('torch.', '')} parameters"
+    return "fp16", "no autocast and no fp16/bf16 parameters: the FP16 readiness check"

@@ -27,7 +27,7 @@ import torch
 from . import stats as _stats
 from .attribution import Attribution, bad_rows
 from .config import RunConfig
-from .formats import Format, get_format
+from .formats import AUTO, Format, detect_format, get_format
 from .hostcopy import HostCopy as _HostCopy
 from .rows import RowPolicy, StepRows
 from .steps import StepTracker
@@ -95,7 +95,9 @@ class Session:
 
     def __init__(self, config: RunConfig | None = None, *, owned: bool = False):
         self.config = config or RunConfig()
-        self.fmt: Format = get_format(self.config.format)
+        # "auto": fp16 until the first watched forward decides it (resolve_format), before anything is measured
+        self._fmt_auto = str(self.config.format).lower() == AUTO
+        self.fmt: Format = get_format("fp16" if self._fmt_auto else self.config.format)
         if self.config.every < 1:
             raise ValueError(f"every must be >= 1, got {self.config.every}")
         self.owned = owned  # owned by the CLI runner: stays open when the last watch goes
@@ -240,6 +242,24 @@ class Session:
         self._flags: list[tuple] = []  # per flag, the row slots of the tensors concerned (see flag_slots)
         self._flag_meta: list[tuple] = []
         self._calls: dict[int, int] = {}
+
+    def resolve_format(self, root: Any) -> None:
+        """The format of a session created without one (``"auto"``), where the first watched forward
+        starts, from autocast's state or the model's dtype (:func:`ampdoctor.formats.detect_format`);
+        written to the trace's metadata. Nothing has been measured yet: no row changes width."""
+        self._fmt_auto = False
+        try:
+            name, why = detect_format(root)
+        except Exception as e:  # pragma: no cover - never break the user's forward: fp16 stays
+            log.info("ampdoctor: could not tell the run's format (%s: %s); measuring against fp16", type(e).__name__, e)
+            return
+        if name != self.fmt.name and not self._rows.n_slots:
+            self.fmt = get_format(name)
+            self._row_policy.fmt = self.fmt
+            self._new_rows()
+        log.info("ampdoctor: measuring against %s (%s)", self.fmt.name, why)
+        self.writer.set_meta(format=self.fmt.name, format_detected=why)
+        self.writer.commit()
 
     def outermost_call(self, grad: bool) -> None:
         """An outermost watched module call starts, before any backward pass has run. Calls with gradients

@@ -381,6 +381,8 @@ class Watch:
                 self._eval = lid  # an outermost call with gradients disabled after training started: evaluation
                 return
             if not self._depth and not s.trained:
+                if s._fmt_auto:  # the first watched forward: the run's format, if none was given
+                    s.resolve_format(self.root)
                 s.outermost_call(_grad_enabled())  # before any backward: is it evaluation? (see Session.outermost_call)
             self._depth += 1
             if layer.ord is None:
@@ -714,7 +716,9 @@ class Watch:
 def watch(model: nn.Module, *, format: str | None = None, every: int | None = None, trace: str | None = None,
           all_modules: bool | None = None) -> Watch:
     """Record per-layer statistics of ``model`` against ``format`` (``"fp16"``, ``"bf16"``,
-    ``"fp8_e4m3fn"``, ``"fp8_e5m2"``) every ``every`` steps, into the SQLite ``trace``.
+    ``"fp8_e4m3fn"``, ``"fp8_e5m2"``, ``"fp32"``) every ``every`` steps, into the SQLite ``trace``.
+    Without ``format`` (or ``"auto"``) it is the format the run trains in, read where the first
+    watched forward starts: autocast's dtype, else the parameters' fp16/bf16 dtype, else fp16.
 
     Under ``ampdoctor run``/``bisect`` the CLI's configuration wins over these arguments (the
     trial decides what is forced to FP32, the step budget and the trace path). Calling it on a
@@ -727,7 +731,8 @@ def watch(model: nn.Module, *, format: str | None = None, every: int | None = No
         raise ValueError(f"every must be a positive int, got {every!r}")
     if format is not None:
         from .formats import get_format
-        get_format(format)  # validate before any work
+        if str(format).lower() != "auto":
+            get_format(format)  # validate before any work
     root, _ = unwrap_model(model)
     existing = _WATCHED.get(root)
     if existing is not None and not existing._removed:

@@ -163,6 +163,42 @@ def test_run_format_option(tmp_path, fmt):
     assert TraceReader(out / "trace.sqlite").meta()["format"] == fmt
 
 
+BF16_SCRIPT = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+opt = torch.optim.SGD(model.parameters(), lr=1e-6)
+for step in range(3):
+    x = torch.randn(16, 8) * 1e4
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x).float().pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+"""
+
+
+def test_run_measures_a_bf16_script_against_bf16(tmp_path):
+    """No --format: a bf16 autocast script is measured against bf16 (its activations beyond 65504 are
+    not fp16 overflow here), the report does not ask for a rerun with --format bf16, and --format fp16
+    still gives the fp16 readiness check."""
+    script = tmp_path / "bf16_train.py"
+    script.write_text(BF16_SCRIPT)
+    p = amp("run", "--out", tmp_path / "auto", script)
+    assert p.returncode == 0, p.stderr
+    meta = TraceReader(tmp_path / "auto" / "trace.sqlite").meta()
+    assert meta["format"] == "bf16" and "autocast to bfloat16" in meta["format_detected"]
+    assert "--format bf16" not in p.stdout
+    q = amp("run", "--out", tmp_path / "fp16", "--format", "fp16", script)
+    assert q.returncode == 0, q.stderr
+    assert TraceReader(tmp_path / "fp16" / "trace.sqlite").meta()["format"] == "fp16"
+    assert "rerun with --format bf16" in q.stdout
+    over = [r for r in TraceReader(tmp_path / "fp16" / "trace.sqlite").stats(kind="activation") if r["overflow"]]
+    assert over and not [r for r in TraceReader(tmp_path / "auto" / "trace.sqlite").stats(kind="activation")
+                         if r["overflow"]]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_run_under_torchrun_one_trace_per_rank(tmp_path, device):

@@ -975,3 +975,52 @@ def test_tensor_hooks_registered_without_a_handle_keep_torch_order_and_ids():
     _new_hook(t, lambda g: got.append(g.clone()))
     t.sum().backward()
     assert len(got) == 1 and torch.equal(got[0], torch.ones(3))
+
+
+def _bf16_autocast_run(tmp_path, name, fmt=None, dtype=torch.bfloat16, half_model=False, autocast=True):
+    torch.manual_seed(0)
+    model = _model()
+    if half_model:
+        model = model.to(dtype)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    with ampdoctor.watch(model, trace=str(tmp_path / name), format=fmt):
+        for _ in range(2):
+            x = torch.randn(4, 8, dtype=dtype if half_model else torch.float32) * 1e3
+            with torch.autocast("cpu", dtype=dtype, enabled=autocast):
+                loss = model(x).float().pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    r = TraceReader(tmp_path / name)
+    return r.meta(), r.stats(kind="activation")
+
+
+@pytest.mark.parametrize("case,expect", [
+    (dict(), ("bf16", "autocast to bfloat16")),
+    (dict(dtype=torch.float16), ("fp16", "autocast to float16")),
+    (dict(half_model=True, autocast=False), ("bf16", "bfloat16 parameters")),
+    (dict(half_model=True, autocast=False, dtype=torch.float16), ("fp16", "float16 parameters")),
+    (dict(autocast=False), ("fp16", "the FP16 readiness check")),
+])
+def test_format_not_given_is_the_one_the_run_trains_in(tmp_path, case, expect):
+    """watch(model) with no format measures against what the first watched forward runs in
+    (autocast's dtype, else the parameters' fp16/bf16 dtype, else fp16), says so in the trace's
+    metadata, and its rows are those of an explicit watch(model, format=that)."""
+    meta, rows = _bf16_autocast_run(tmp_path, "auto.sqlite", **case)
+    assert meta["format"] == expect[0] and expect[1] in meta["format_detected"]
+    meta2, rows2 = _bf16_autocast_run(tmp_path, "given.sqlite", fmt=expect[0], **case)
+    assert meta2["format"] == expect[0] and "format_detected" not in meta2
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "id"} for r in rs]  # noqa: E731
+    assert strip(rows) == strip(rows2) and rows
+
+
+def test_explicit_format_wins_over_the_run(tmp_path):
+    """format="fp16" on a bf16 autocast run is an fp16 readiness check: its activations beyond 65504
+    (finite in bf16) count as fp16 overflow; measured against bf16 (auto) the same values do not."""
+    meta, rows = _bf16_autocast_run(tmp_path, "fp16.sqlite", fmt="fp16")
+    assert meta["format"] == "fp16"
+    auto_meta, auto_rows = _bf16_autocast_run(tmp_path, "auto.sqlite")
+    assert auto_meta["format"] == "bf16"
+    assert [r["absmax"] for r in rows] == [r["absmax"] for r in auto_rows]
+    beyond = [i for i, r in enumerate(rows) if r["absmax"] > 65504]
+    assert beyond and all(rows[i]["overflow"] > 0 and auto_rows[i]["overflow"] == 0 for i in beyond)
