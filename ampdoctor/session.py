@@ -246,17 +246,21 @@ class Session:
     def resolve_format(self, root: Any) -> None:
         """The format of a session created without one (``"auto"``), where the first watched forward
         starts, from autocast's state or the model's dtype (:func:`ampdoctor.formats.detect_format`);
-        written to the trace's metadata. Nothing has been measured yet: no row changes width."""
+        written to the trace's metadata. Only before anything is measured (no row changes width); a
+        session that measured first (a watch attached inside a forward) keeps fp16 and says so."""
         self._fmt_auto = False
         try:
             name, why = detect_format(root)
         except Exception as e:  # pragma: no cover - never break the user's forward: fp16 stays
             log.info("ampdoctor: could not tell the run's format (%s: %s); measuring against fp16", type(e).__name__, e)
             return
-        if name != self.fmt.name and not self._rows.n_slots:
-            self.fmt = get_format(name)
-            self._row_policy.fmt = self.fmt
-            self._new_rows()
+        if name != self.fmt.name:
+            if self.step or self._rows.n_slots:  # (a watch attached during a forward) fp16 has been measured
+                why += f"; seen after recording began, so the trace stays measured against {self.fmt.name}"
+            else:
+                self.fmt = get_format(name)
+                self._row_policy.fmt = self.fmt
+                self._new_rows()
         log.info("ampdoctor: measuring against %s (%s)", self.fmt.name, why)
         self.writer.set_meta(format=self.fmt.name, format_detected=why)
         self.writer.commit()

@@ -380,9 +380,9 @@ class Watch:
             if not self._depth and s.trained and not _grad_enabled():
                 self._eval = lid  # an outermost call with gradients disabled after training started: evaluation
                 return
+            if not self._depth and s._fmt_auto:  # the first watched forward: the run's format, if none was given
+                s.resolve_format(self.root)
             if not self._depth and not s.trained:
-                if s._fmt_auto:  # the first watched forward: the run's format, if none was given
-                    s.resolve_format(self.root)
                 s.outermost_call(_grad_enabled())  # before any backward: is it evaluation? (see Session.outermost_call)
             self._depth += 1
             if layer.ord is None:
