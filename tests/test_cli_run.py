@@ -191,6 +191,7 @@ def test_run_measures_a_bf16_script_against_bf16(tmp_path):
     assert meta["format"] == "bf16" and "autocast to bfloat16" in meta["format_detected"]
     flat = lambda text: "".join(text.split())  # noqa: E731  (the terminal report wraps its lines)
     assert "--formatbf16" not in flat(p.stdout)
+    assert "(therun's:autocasttobfloat16)" in flat(p.stdout)  # the report's header says where bf16 came from
     q = amp("run", "--out", tmp_path / "fp16", "--format", "fp16", script)
     assert q.returncode == 0, q.stderr
     assert TraceReader(tmp_path / "fp16" / "trace.sqlite").meta()["format"] == "fp16"

@@ -306,7 +306,8 @@ def render_html(report: Report) -> str:
     argv = " ".join(str(a) for a in meta.get("argv") or [])
     started = meta.get("started")
     when = _dt.datetime.fromtimestamp(started).strftime("%Y-%m-%d %H:%M:%S") if isinstance(started, (int, float)) else ""
-    info = "; ".join(x for x in (f"trace {report.trace}", f"format {report.format}",
+    detected = f" (the run's: {meta['format_detected']})" if meta.get("format_detected") else ""
+    info = "; ".join(x for x in (f"trace {report.trace}", f"format {report.format}{detected}",
                                  f"torch {meta.get('torch')}" if meta.get("torch") else "", when,
                                  f"status {meta.get('status')}" if meta.get("status") else "") if x)
     nav = "".join(f'<a href="#{s}">{s}</a>' for s in SECTION_IDS)

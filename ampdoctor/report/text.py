@@ -51,8 +51,9 @@ def render_text(report: Report, *, kinds: Sequence[str] = DEFAULT_KINDS, sort: s
     d = report.diagnosis
     con.print(f"ampdoctor report  trace={report.trace}")
     con.print(f"format {fmt.name}: max {fmt.max:.6g}, smallest normal {fmt.smallest_normal:.3g}, "
-              f"smallest subnormal {fmt.smallest_subnormal:.3g}; {d.steps_seen} steps, "
-              f"{d.optimizer_steps} optimizer steps")
+              f"smallest subnormal {fmt.smallest_subnormal:.3g}"
+              + (f" (the run's: {report.meta['format_detected']})" if report.meta.get("format_detected") else "")
+              + f"; {d.steps_seen} steps, {d.optimizer_steps} optimizer steps")
     con.print("")
     con.print("Diagnosis")
     for line in d.lines:
