@@ -198,18 +198,23 @@ def chunking(n: int, min_chunk: int = MIN_CHUNK) -> tuple[int, int]:
     return clen, -(-n // clen)
 
 
+def _short_chunk(n: np.ndarray) -> int:
+    """The chunk length that gives tensors of element counts ``n`` about FEW_BLOCKS chunks in all,
+    a multiple of ALIGN between SMALL_CHUNK and MIN_CHUNK."""
+    want = -(-int(n.sum()) // FEW_BLOCKS)
+    return min(MIN_CHUNK, max(SMALL_CHUNK, -(-want // ALIGN) * ALIGN))
+
+
 def table_chunk(numel: Sequence[int]) -> int:
     """The chunk length a launch table of tensors of these element counts chunks at, at least:
     MIN_CHUNK, or, for a table of fewer than FEW_BLOCKS such chunks (a step's weights, a small
-    flush), the length that gives it about FEW_BLOCKS chunks, not below SMALL_CHUNK. A launch of a
-    few hundred 64K-element blocks leaves most of the GPU's SMs idle: each block reads its chunk at
-    a small fraction of the memory bandwidth. Any chunking gives the same rows (integer counts,
-    exact minima and maxima)."""
-    total = sum(-(-int(n) // MIN_CHUNK) for n in numel)
-    if total >= FEW_BLOCKS:
-        return MIN_CHUNK
-    want = -(-sum(int(n) for n in numel) // FEW_BLOCKS)
-    return min(MIN_CHUNK, max(SMALL_CHUNK, -(-want // ALIGN) * ALIGN))
+    flush), the length that gives it about FEW_BLOCKS chunks, not below SMALL_CHUNK (as
+    :func:`tables` chunks it). A launch of a few hundred 64K-element blocks leaves most of the
+    GPU's SMs idle: each block reads its chunk at a small fraction of the memory bandwidth. Any
+    chunking gives the same rows (integer counts, exact minima and maxima)."""
+    n = np.asarray(numel, dtype=np.int64)
+    few = int(np.clip(-(-n // MIN_CHUNK), 1, MAX_CHUNKS).sum()) < FEW_BLOCKS
+    return _short_chunk(n) if few else MIN_CHUNK
 
 
 MAXT = 64                        # tensors a launch takes (the table is a kernel parameter)
@@ -237,9 +242,9 @@ def tables(numel: Sequence[int], ptr: Sequence[int], rows: Sequence[int], kinds:
         minc = np.where(np.asarray(kinds, dtype=np.int64) == 2, MIN_CHUNK_FP32, MIN_CHUNK)
         nchunk = np.clip(-(-n // minc), 1, MAX_CHUNKS)
     for lo in range(0, len(n), MAXT):  # a table of few chunks: shorter ones (table_chunk)
-        part = n[lo:lo + MAXT]
-        if int(np.sum(-(-part // MIN_CHUNK))) < FEW_BLOCKS:
-            nchunk[lo:lo + MAXT] = np.clip(-(-part // table_chunk(part.tolist())), 1, MAX_CHUNKS)
+        if int(nchunk[lo:lo + MAXT].sum()) < FEW_BLOCKS:
+            part = n[lo:lo + MAXT]
+            nchunk[lo:lo + MAXT] = np.clip(-(-part // _short_chunk(part)), 1, MAX_CHUNKS)
     clen = np.maximum(-(-n // (nchunk * ALIGN)) * ALIGN, ALIGN)
     nch = -(-n // clen)  # as chunking(), per tensor
     cols = (np.asarray(ptr, dtype=np.int64), n, clen, np.asarray(rows, dtype=np.int64),

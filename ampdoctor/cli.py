@@ -12,7 +12,7 @@ from typing import Sequence
 
 import click
 
-from .formats import FORMATS
+from .formats import AUTO, FORMATS
 
 SCRIPT_CTX = {"ignore_unknown_options": True, "allow_interspersed_args": False}
 
@@ -160,7 +160,7 @@ def _write_outputs(report, json_path: str | None, html_path: str | None, csv_pat
 @main.command(context_settings=SCRIPT_CTX)
 @click.option("--out", "out", type=click.Path(file_okay=False), default=None,
               help="Run folder for the trace and reports [default: ./ampdoctor-runs/<script>-run-<time>].")
-@click.option("--format", "fmt", type=click.Choice(["auto"] + sorted(FORMATS), case_sensitive=False), default="auto",
+@click.option("--format", "fmt", type=click.Choice([AUTO] + sorted(FORMATS), case_sensitive=False), default=AUTO,
               show_default=True,
               help="Target format the statistics are measured against (auto: what the script trains in: "
                    "autocast's dtype, else the model's fp16/bf16 dtype, else fp16).")

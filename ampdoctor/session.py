@@ -259,8 +259,7 @@ class Session:
                 why += f"; seen after recording began, so the trace stays measured against {self.fmt.name}"
             else:
                 self.fmt = get_format(name)
-                self._row_policy.fmt = self.fmt
-                self._new_rows()
+                self._row_policy.fmt = self.fmt  # (what measures the rows reads it there)
         log.info("ampdoctor: measuring against %s (%s)", self.fmt.name, why)
         self.writer.set_meta(format=self.fmt.name, format_detected=why)
         self.writer.commit()
@@ -418,7 +417,7 @@ class Session:
         self._outer_next = outer = torch._C._current_graph_task_id() == -1  # not called from inside a backward
         if self._deferred or self._boundary is not None:
             self._write_deferred()
-        if self.recording or self._deferred:  # the weight gradients are read where this backward pass ends
+        if self.recording or self._deferred:  # where this backward pass ends: the weight gradients, a deferred write
             roots = tensors if isinstance(tensors, (tuple, list)) else (tensors,)
             for t in roots:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
@@ -647,41 +646,35 @@ class Session:
                 self.decision = decision
         self.writer.commit()
 
-    def _write_deferred(self) -> None:
+    def _write_deferred(self, settle: bool = True) -> None:
         """Write the deferred step(s) from inside a later step, when its backward pass starts, and
-        measure the weights of the step that ended last and start its host copy: the host has queued
-        the whole forward by then, so this host work overlaps the GPU's, where at the step boundary
-        the GPU would wait for it. Never raises (no oracle when deferred)."""
+        (``settle``) measure the weights of the step that ended last and start its host copy: the host
+        has queued the whole forward by then, so this host work overlaps the GPU's, where at the step
+        boundary the GPU would wait for it. Never raises (no oracle when deferred)."""
         jobs, self._deferred = self._deferred, []
-        self._mid_step = True
+        mid, self._mid_step = self._mid_step, True  # (a non-finite loss read here: detail from the next boundary)
         try:
             for job in jobs:
                 self._run_flush(job)
-            self.settle_boundary()  # the step that just ended: its weights' rows and host copy (read later)
+            if settle:
+                self.settle_boundary()  # the step that just ended: its weights' rows and host copy (read later)
         except Exception as e:  # pragma: no cover - never break the user's training for a statistic
             log.warning("ampdoctor: could not write step statistics: %s: %s", type(e).__name__, e)
         finally:
-            self._mid_step = False
+            self._mid_step = mid
 
     def _write_arrived(self) -> None:
-        """Write the deferred step(s) where a backward pass ends, if their host copy has arrived
-        (it started where this pass began, behind the forward, so it usually has): no wait, and a
-        step is written one step after it, not two. One still in flight waits for the next
-        backward pass to start (:meth:`_write_deferred`). Runs in autograd's final callback;
-        never raises."""
-        jobs = self._deferred
+        """Where a backward pass ends: write the deferred step(s) if their host copy has arrived (it
+        started where this pass began, behind the forward, so it usually has): no wait, and a step is
+        written one step after it, not two. One still in flight waits for the next backward pass to
+        start. Runs in autograd's final callback; never raises."""
         try:
-            if self.closed or not all(job[0].arrived() for job in jobs):
-                return
-            self._deferred = []
-            mid, self._mid_step = self._mid_step, True
-            try:
-                for job in jobs:
-                    self._run_flush(job)
-            finally:
-                self._mid_step = mid
+            arrived = not self.closed and all(job[0].arrived() for job in self._deferred)
         except Exception as e:  # pragma: no cover - never break the user's backward for a statistic
-            log.warning("ampdoctor: could not write step statistics: %s: %s", type(e).__name__, e)
+            log.warning("ampdoctor: could not check a host copy: %s: %s", type(e).__name__, e)
+            return
+        if arrived:
+            self._write_deferred(settle=False)
 
     def _start_copy(self, rows: StepRows, scalars: list) -> _HostCopy:
         """Start the step's single device-to-host transfer (one per device; no sync)."""

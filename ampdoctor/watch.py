@@ -730,8 +730,8 @@ def watch(model: nn.Module, *, format: str | None = None, every: int | None = No
     if every is not None and (not isinstance(every, int) or every < 1):
         raise ValueError(f"every must be a positive int, got {every!r}")
     if format is not None:
-        from .formats import get_format
-        if str(format).lower() != "auto":
+        from .formats import AUTO, get_format
+        if str(format).lower() != AUTO:
             get_format(format)  # validate before any work
     root, _ = unwrap_model(model)
     existing = _WATCHED.get(root)

@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import overhead_gpu  # noqa: E402
+from gpu_idle import _intervals as _kernels  # noqa: E402
 
 import ampdoctor  # noqa: E402
 from ampdoctor import _stats_nvrtc as nv  # noqa: E402
@@ -34,31 +35,26 @@ _launches: list[tuple[str, str, int, int, int]] = []  # (kernel, tag, grid, tens
 
 def _instrument() -> None:
     """Wrap the launch paths so that each launch the host makes is logged with what it reads."""
-    add = nv.Plan._add
+    add, packed = nv.Plan._add, nv._Kernel.launch_packed
+
+    what: dict[int, tuple[str, int, int]] = {}  # id of a launch's argument buffer -> (kernel, tensors, bytes)
 
     def _add(self, k, grid, block, args):
         add(self, k, grid, block, args)
-        table = args[0]
-        t = list(table.v) if hasattr(table, "v") else list(table)
-        m = args[1]
-        if len(args) == 6 and not isinstance(args[2], ctypes_void):  # stage1: (table, m, g0, g1, c0, acc)
+        t, m = list(args[0]), args[1]
+        arr = self._launches[-1][3]
+        if not isinstance(args[2], ctypes_void):  # stage1: (table, m, g0, g1, c0, acc)
             g0, g1 = args[2], args[3]
-            nbytes = sum(t[nv.MAXT + g] * _ELSIZE[t[5 * nv.MAXT + 1 + g]] for g in range(g0, g1))
-            self._launches[-1] = self._launches[-1] + (("stage1", g1 - g0, nbytes),)
-        else:
-            self._launches[-1] = self._launches[-1] + (("stage2", m, 0),)
+            what[id(arr)] = ("stage1", g1 - g0, sum(t[nv.MAXT + g] * _ELSIZE[t[5 * nv.MAXT + 1 + g]] for g in range(g0, g1)))
+        else:  # stage2: (table, m, acc, out, width, gate)
+            what[id(arr)] = ("stage2", m, 0)
 
-    def plan_launch(self, out, gate):
-        dev = self.dev
-        stream = nv.raw_stream(dev)
-        self._out.value = out.data_ptr()
-        self._gate.value = (gate if gate is not None else nv._scratch_gate(dev)).data_ptr()
-        self._acc.value = nv._accumulators(dev, stream, self.acc_width).data_ptr()
-        tag = _tag[0] if torch._C._current_graph_task_id() == -1 or _tag[0] != "forward" else "backward"
-        for k, grid, block, arr, info in self._launches:
-            name, ntens, nbytes = info
-            _launches.append((name, tag, grid, ntens, nbytes))
-            k.launch_packed(grid, block, arr, stream)
+    def launch_packed(self, grid, block, arr, stream):
+        got = what.get(id(arr))
+        if got is not None:  # (the flags kernel's launches are logged by run_flags below)
+            tag = _tag[0] if torch._C._current_graph_task_id() == -1 or _tag[0] != "forward" else "backward"
+            _launches.append((got[0], tag, grid, got[1], got[2]))
+        return packed(self, grid, block, arr, stream)
 
     run_flags = nv.run_flags
 
@@ -73,7 +69,7 @@ def _instrument() -> None:
         return run_flags(numel, ptr, kinds, gate, out)
 
     nv.Plan._add = _add
-    nv.Plan.launch = plan_launch
+    nv._Kernel.launch_packed = launch_packed
     nv.run_flags = flags
 
     def tagged(fn, tag):
@@ -91,14 +87,6 @@ def _instrument() -> None:
 
 ctypes_void = nv.ctypes.c_void_p
 watch_mod = sys.modules["ampdoctor.watch"]  # (ampdoctor.watch is the function)
-
-
-def _kernels(prof) -> list[tuple[float, float, str]]:
-    out = []
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start:
-            out.append((e.time_range.start, e.time_range.end, e.name))
-    return sorted(out)
 
 
 def profile(step, steps: int) -> list[tuple[float, float, str]]:

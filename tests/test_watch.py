@@ -977,7 +977,7 @@ def test_tensor_hooks_registered_without_a_handle_keep_torch_order_and_ids():
     assert len(got) == 1 and torch.equal(got[0], torch.ones(3))
 
 
-def _bf16_autocast_run(tmp_path, name, fmt=None, dtype=torch.bfloat16, half_model=False, autocast=True):
+def _autocast_run(tmp_path, name, fmt=None, dtype=torch.bfloat16, half_model=False, autocast=True):
     torch.manual_seed(0)
     model = _model()
     if half_model:
@@ -1006,9 +1006,9 @@ def test_format_not_given_is_the_one_the_run_trains_in(tmp_path, case, expect):
     """watch(model) with no format measures against what the first watched forward runs in
     (autocast's dtype, else the parameters' fp16/bf16 dtype, else fp16), says so in the trace's
     metadata, and its rows are those of an explicit watch(model, format=that)."""
-    meta, rows = _bf16_autocast_run(tmp_path, "auto.sqlite", **case)
+    meta, rows = _autocast_run(tmp_path, "auto.sqlite", **case)
     assert meta["format"] == expect[0] and expect[1] in meta["format_detected"]
-    meta2, rows2 = _bf16_autocast_run(tmp_path, "given.sqlite", fmt=expect[0], **case)
+    meta2, rows2 = _autocast_run(tmp_path, "given.sqlite", fmt=expect[0], **case)
     assert meta2["format"] == expect[0] and "format_detected" not in meta2
     strip = lambda rs: [{k: v for k, v in r.items() if k != "id"} for r in rs]  # noqa: E731
     assert strip(rows) == strip(rows2) and rows
@@ -1017,9 +1017,9 @@ def test_format_not_given_is_the_one_the_run_trains_in(tmp_path, case, expect):
 def test_explicit_format_wins_over_the_run(tmp_path):
     """format="fp16" on a bf16 autocast run is an fp16 readiness check: its activations beyond 65504
     (finite in bf16) count as fp16 overflow; measured against bf16 (auto) the same values do not."""
-    meta, rows = _bf16_autocast_run(tmp_path, "fp16.sqlite", fmt="fp16")
+    meta, rows = _autocast_run(tmp_path, "fp16.sqlite", fmt="fp16")
     assert meta["format"] == "fp16"
-    auto_meta, auto_rows = _bf16_autocast_run(tmp_path, "auto.sqlite")
+    auto_meta, auto_rows = _autocast_run(tmp_path, "auto.sqlite")
     assert auto_meta["format"] == "bf16"
     assert [r["absmax"] for r in rows] == [r["absmax"] for r in auto_rows]
     beyond = [i for i, r in enumerate(rows) if r["absmax"] > 65504]
