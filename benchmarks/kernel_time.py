@@ -37,7 +37,9 @@ def _instrument() -> None:
     """Wrap the launch paths so that each launch the host makes is logged with what it reads."""
     add, packed = nv.Plan._add, nv._Kernel.launch_packed
 
-    what: dict[int, tuple[str, int, int]] = {}  # id of a launch's argument buffer -> (kernel, tensors, bytes)
+    # id of a launch's argument buffer -> (the buffer, kernel, tensors, bytes); the buffer is kept
+    # alive here, so its id is not reused by another launch's (the flags kernel packs one per call)
+    what: dict[int, tuple] = {}
 
     def _add(self, k, grid, block, args):
         add(self, k, grid, block, args)
@@ -45,15 +47,15 @@ def _instrument() -> None:
         arr = self._launches[-1][3]
         if not isinstance(args[2], ctypes_void):  # stage1: (table, m, g0, g1, c0, acc)
             g0, g1 = args[2], args[3]
-            what[id(arr)] = ("stage1", g1 - g0, sum(t[nv.MAXT + g] * _ELSIZE[t[5 * nv.MAXT + 1 + g]] for g in range(g0, g1)))
+            what[id(arr)] = (arr, "stage1", g1 - g0, sum(t[nv.MAXT + g] * _ELSIZE[t[5 * nv.MAXT + 1 + g]] for g in range(g0, g1)))
         else:  # stage2: (table, m, acc, out, width, gate)
-            what[id(arr)] = ("stage2", m, 0)
+            what[id(arr)] = (arr, "stage2", m, 0)
 
     def launch_packed(self, grid, block, arr, stream):
         got = what.get(id(arr))
         if got is not None:  # (the flags kernel's launches are logged by run_flags below)
             tag = _tag[0] if torch._C._current_graph_task_id() == -1 or _tag[0] != "forward" else "backward"
-            _launches.append((got[0], tag, grid, got[1], got[2]))
+            _launches.append((got[1], tag, grid, got[2], got[3]))
         return packed(self, grid, block, arr, stream)
 
     run_flags = nv.run_flags
