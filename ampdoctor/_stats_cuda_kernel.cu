@@ -59,42 +59,6 @@ DEV void cvt2(u32 w, float& lo, float& hi) {
 
 #define NW (NT / 32)
 
-// ldv: one 16-byte vector load of the tensor being measured. LOAD_HINT picks the cache policy
-// (each tensor is read once: what it leaves in the L2 only evicts the model's own data)
-#ifndef LOAD_HINT
-#define LOAD_HINT 0
-#endif
-#if defined(__CUDACC__) && LOAD_HINT == 1    // streaming: evict-first in L1 and L2
-DEV uint4 ldv(const uint4* p) {
-    uint4 r;
-    asm("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-    return r;
-}
-#elif defined(__CUDACC__) && LOAD_HINT == 2  // no L1 line, an evict-first L2 policy
-DEV uint4 ldv(const uint4* p) {
-    uint4 r;
-    unsigned long long pol;
-    asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-    asm("ld.global.L1::no_allocate.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-        : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p), "l"(pol));
-    return r;
-}
-#elif defined(__CUDACC__) && LOAD_HINT == 3  // read-only path, 256-byte L2 prefetch
-DEV uint4 ldv(const uint4* p) {
-    uint4 r;
-    asm("ld.global.nc.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-    return r;
-}
-#elif defined(__CUDACC__) && LOAD_HINT == 4  // streaming, with a 256-byte L2 prefetch
-DEV uint4 ldv(const uint4* p) {
-    uint4 r;
-    asm("ld.global.cs.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
-    return r;
-}
-#else
-#define ldv(p) (*(p))
-#endif
-
 #if DT == 0
 #define MB 10
 #define BIAS 15
@@ -313,20 +277,20 @@ extern "C" __global__ void stage1(const Table table, int m, int g0, int g1, int 
     i64 v = tid;
     uint4 q0, q1;
     if (v + nt < nvec) {
-        q0 = ldv(vp + v);
-        q1 = ldv(vp + v + nt);
+        q0 = vp[v];
+        q1 = vp[v + nt];
     }
     for (; v + nt < nvec; v += 2 * nt) {
         u32 w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
         if (v + 3 * nt < nvec) {  // the next pair's loads in flight while this one is counted
-            q0 = ldv(vp + v + 2 * nt);
-            q1 = ldv(vp + v + 3 * nt);
+            q0 = vp[v + 2 * nt];
+            q1 = vp[v + 3 * nt];
         }
 #pragma unroll
         for (int k = 0; k < 8; ++k) fast_word(w[k], mn, mx, nz, h, true);
     }
     for (; v < nvec; v += nt) {
-        uint4 q0 = ldv(vp + v);
+        uint4 q0 = vp[v];
         u32 w[4] = {q0.x, q0.y, q0.z, q0.w};
 #pragma unroll
         for (int k = 0; k < 4; ++k) fast_word(w[k], mn, mx, nz, h, true);
@@ -353,14 +317,14 @@ extern "C" __global__ void stage1(const Table table, int m, int g0, int g1, int 
     const i64 nvec = (e - s) / VEC;
     i64 v = tid;
     for (; v + nt < nvec; v += 2 * nt) {
-        uint4 q0 = ldv(vp + v);
-        uint4 q1 = ldv(vp + v + nt);
+        uint4 q0 = vp[v];
+        uint4 q1 = vp[v + nt];
         u32 w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
 #pragma unroll
         for (int k = 0; k < 8; ++k) fast_vword(w[k], vmin, vmax, vabs, vnzm1, emax, h);
     }
     for (; v < nvec; v += nt) {
-        uint4 q0 = ldv(vp + v);
+        uint4 q0 = vp[v];
         u32 w[4] = {q0.x, q0.y, q0.z, q0.w};
 #pragma unroll
         for (int k = 0; k < 4; ++k) fast_vword(w[k], vmin, vmax, vabs, vnzm1, emax, h);

@@ -17,7 +17,6 @@ import ctypes
 import functools
 import logging
 import math
-import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -36,7 +35,6 @@ MIN_CHUNK_FP32 = MIN_CHUNK  # the same for fp32 tensors (twice the bytes an elem
 MAX_CHUNKS = 8192     # per tensor: huge tensors get longer chunks, not more
 FEW_BLOCKS = 1024     # a launch with fewer 64K-element chunks than this (about one wave of resident
 SMALL_CHUNK = 4096    # blocks on an H200) gets shorter chunks, down to this: more SMs read its bytes
-LOAD_HINT = int(os.environ.get("AMPDOCTOR_LOAD_HINT", "0"))  # the loads' cache policy (see the kernel's ldv)
 ALIGN = 1024          # chunk starts are multiples of this many elements (16-byte vector loads)
 
 # dtype -> (kind, bits, mantissa bits, exponent bias); fp64 and fp8 are not ours (torch path)
@@ -101,7 +99,6 @@ def defines(dtype: torch.dtype, fmt: Format) -> dict[str, int]:
         LANE_HIST=int(p <= 64),
         PACKED=int(packed),
         NT=NT,
-        LOAD_HINT=LOAD_HINT,
     )
 
 
