@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from .steps import StepTracker
 from .trace import TraceWriter
 
 log = logging.getLogger(__name__)
+_weakref = weakref.ref
 
 _lid_name = operator.itemgetter(0, 1)  # (lid, name) of a parameter entry
 _dtype_of = operator.attrgetter("dtype")
@@ -146,6 +148,9 @@ class Session:
         self._boundary: tuple | None = None
         self._boundary_now = False
         self._mid_step = False  # writing a deferred step from inside the next one (see on_backward)
+        self._late_grads_said = False  # (see _late_weight_grads)
+        self._stopped: StopRun | None = None  # the StopRun this session raised, once it has (see _caught_stop)
+        self._stop_caught = False
         self.trained = False  # a backward pass ran: forwards with gradients disabled are evaluation from now on
         self._prefetched: _HostCopy | None = None
         self._reset_step()
@@ -224,6 +229,7 @@ class Session:
         self._new_rows()
         self._outer_next = False  # the next backward pass seen is an outermost one (see on_backward)
         self._losses: list[torch.Tensor] = []
+        self._scaled_outputs: list[tuple[Any, torch.Tensor]] = []  # (weakref to scale()'s result, its loss)
         self._scaled_loss_seen = False
         self._scaler: Any = None
         self._scale_after: torch.Tensor | None = None
@@ -398,8 +404,12 @@ class Session:
                 for w in self.watches:
                     w.record_weight_grads()
                 self.flush_rows(flags=outer)
-            if outer and self._deferred:
-                self._write_arrived()
+            if outer:
+                for w in self.watches:
+                    if w._leaf_hooks:
+                        w.drop_leaf_hooks()
+                if self._deferred:
+                    self._write_arrived()
 
         torch.autograd.Variable._execution_engine.queue_callback(at_backward_end)
 
@@ -436,15 +446,32 @@ class Session:
         if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point() and not t.is_meta:
             self._losses.append(t.detach().reshape(()).to(torch.float64, copy=True))
 
-    def on_scaled_loss(self, scaler: Any, loss: torch.Tensor) -> None:
+    def on_scaled_loss(self, scaler: Any, loss: torch.Tensor, scaled: Any = None) -> None:
         self._active = True
         if loss.numel() == 1 and loss.is_floating_point() and not loss.is_meta:
             if not self._scaled_loss_seen:
                 self._losses.clear()  # a backward before scale() was not the training loss
             self._scaled_loss_seen = True
             self._scaled_loss_active = True
-            self._losses.append(loss.detach().reshape(()).to(torch.float64, copy=True))
+            kept = loss.detach().reshape(()).to(torch.float64, copy=True)
+            self._losses.append(kept)
+            if isinstance(scaled, torch.Tensor):  # (see on_autograd_grad)
+                self._scaled_outputs.append((_weakref(scaled), kept))
         self._scaler = scaler
+
+    def on_autograd_grad(self, outputs: Any) -> None:
+        """``torch.autograd.grad(scaler.scale(loss), params, create_graph=True)``: the gradients of a
+        gradient penalty. That loss is backpropagated later inside ``loss + penalty``, scaled again, so
+        this scale() call's loss is not counted in the step's loss."""
+        if not self._scaled_outputs:
+            return
+        outs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+        for t in outs:
+            for i, (ref, kept) in enumerate(self._scaled_outputs):
+                if ref() is t:
+                    del self._scaled_outputs[i]
+                    self._losses = [x for x in self._losses if x is not kept]
+                    break
 
     def on_scaler_update(self, scaler: Any, before: torch.Tensor | None, after: torch.Tensor | None) -> None:
         self._scaler = scaler
@@ -453,6 +480,29 @@ class Session:
             if before is not None:
                 self._skipped = (after.reshape(()) < before.reshape(())).to(torch.float64)
         self.end_step()
+
+    _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_always_called",
+                   "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs")
+
+    def without_our_hooks(self, state: Any) -> Any:
+        """A module's pickled state (``nn.Module.__getstate__``'s copy of its ``__dict__``) with the
+        watches' hooks taken out of its hook dicts (copies; the module keeps its own)."""
+        if not isinstance(state, dict):
+            return state
+        ours: set[int] | None = None
+        for name in self._HOOK_DICTS:
+            d = state.get(name)
+            if not d:
+                continue
+            if ours is None:
+                ours = {h.id for w in self.watches for h in w.hook_handles()}
+            if not ours.isdisjoint(d):
+                state[name] = OrderedDict((k, v) for k, v in d.items() if k not in ours)
+        return state
+
+    def on_compile(self) -> None:
+        for w in self.watches:
+            w.arm()
 
     def on_optimizer_step(self, optimizer: Any) -> None:
         self.optimizer_steps += 1
@@ -481,15 +531,37 @@ class Session:
         failure of ours is logged and never breaks the user's training."""
         if self.closed:
             return
+        if self._stopped is not None:
+            self._caught_stop()
         try:
             self._end_step()
-        except StopRun:
+        except StopRun as e:
+            self._stopped = e
             raise
         except Exception as e:
             log.warning("ampdoctor: recording step %d failed: %s: %s", self.step, type(e).__name__, e, exc_info=True)
             self.writer.add_event(self.step, "note", None, message=f"internal error while recording: {type(e).__name__}: {e}")
             self.step += 1
             self._reset_step()
+
+    def _caught_stop(self) -> None:
+        """A step ended after this session's StopRun: the script caught it (a bare ``except:``, or
+        ``except BaseException:``, around its training step). Nothing more is recorded; the stop is
+        raised again at each step boundary, where the script's handler may not be."""
+        e = self._stopped
+        if not self._stop_caught:
+            self._stop_caught = True
+            self.note("the script caught ampdoctor's stop (StopRun, a BaseException: a bare `except:` or `except "
+                      "BaseException:` in its training loop) and went on training; the steps after it are not "
+                      "recorded. Catch `Exception` instead to let --max-steps and bisect's trials end the run.")
+            self.writer.commit()
+        self.recording = self.attributing = False
+        for w in self.watches:
+            w.sleep(True)
+        self._new_rows()  # (this step's rows are not written)
+        self._losses = []
+        self._active = False
+        raise StopRun(e.reason, e.decision)
 
     def _end_step(self) -> None:
         self.settle_boundary()  # a step that ended with no backward pass since the last boundary
@@ -500,6 +572,11 @@ class Session:
         later = (self.recording and not self._boundary_now and self._oracle is None and DEFER_HOST_READ
                  and _HostCopy.defers(self._rows.devices))
         for w in list(self.watches):
+            if self.recording:
+                self._follow_tree(w)
+            if self.recording and not w.wgrad_rows:
+                self._late_weight_grads(w)
+            w.wgrad_rows = False
             if later:
                 w.mark_weights()
             elif self.recording:
@@ -530,6 +607,10 @@ class Session:
             decision = self._flush_soon(rows, row_meta, flags, flag_meta, recorded)
         self.writer.commit()
         for w in self.watches:  # the next step's hooks: only a recorded step needs them
+            if w._leaf_hooks:
+                w.drop_leaf_hooks()
+            if self.recording:
+                self._follow_tree(w)
             if recorded:
                 w.prune_pre_hooks()
             w.sleep(not self.recording)
@@ -541,6 +622,25 @@ class Session:
             self.writer.add_event(self.step - 1, "stop", None, reason="max_steps", max_steps=self.config.max_steps)
             self.writer.commit()
             raise StopRun("max_steps")
+
+    def _follow_tree(self, w: Any) -> None:
+        """A watched model whose submodules were replaced, removed or added since watch(): the hooks
+        move to the model as it is now (the old modules' numbers would be stale), with a note."""
+        if w.tree_changed():
+            w.reattach()
+            self.note(f"the modules of the watched {type(w.root).__name__} changed after watch() (a layer replaced, "
+                      f"added or removed): recorded as they are now, the weights from step {self.step} on, the "
+                      f"activations and gradients from step {self.step + 1}")
+
+    def _late_weight_grads(self, w: Any) -> None:
+        """A recorded step whose backward passes left no weight gradient (``torch.autograd.grad``'s
+        results assigned to ``.grad``): the gradients the optimizer stepped with, read at the step's end."""
+        w.record_weight_grads()
+        if w.wgrad_rows and not self._late_grads_said:
+            self._late_grads_said = True
+            self.note("weight gradients that no backward() made (torch.autograd.grad results assigned to .grad?) "
+                      "are read where the step ends, after the optimizer step (unscaled, if "
+                      "GradScaler.unscale_ ran)")
 
     def _flush(self, rows: list, row_meta: list, flags: list, flag_meta: list, recorded: bool) -> Any:
         host_rows, host_flags, host_scalars = self._to_host(rows, flags)
@@ -761,6 +861,8 @@ class Session:
                         self.writer.set_meta(last_output_nonfinite_step=step)
                 except Exception:  # pragma: no cover - a broken device must not lose the trace
                     pass
+            if self._stop_caught and status == "finished":
+                status = "stopped"  # (the script caught the stop, and ended on its own later)
             self.writer.set_meta(status=status, ended=time.time(), steps=self.step,
                                  optimizer_steps=self.optimizer_steps, **meta)
             self.writer.commit()

@@ -1,14 +1,21 @@
 """Step tracking: the loss, the GradScaler's scale and skipped steps, optimizer steps.
 
-While at least one watch is active, three things are patched or hooked, and all are undone by
+While at least one watch is active, these are patched or hooked, and all are undone by
 :meth:`StepTracker.uninstall` (the process is exactly as before):
 
-* ``torch.autograd.backward`` is wrapped to see the loss (the root of ``loss.backward()``);
+* ``torch.autograd.backward`` is wrapped to see the loss (the root of ``loss.backward()``), and
+  ``torch.autograd.grad`` to see a scaled loss that only makes gradients for a penalty (the AMP
+  recipe's gradient penalty), which is then not the step's loss;
 * ``GradScaler.scale`` / ``GradScaler.update`` (``torch.amp`` and the deprecated
   ``torch.cuda.amp`` class when it defines its own) are wrapped to see the unscaled loss, the
   scale before and after ``update()`` and so whether the step was skipped, and so are those of
   every subclass that defines its own: the ones that exist, and through
   ``GradScaler.__init_subclass__`` those created while the watch is on;
+* ``nn.Module.__getstate__`` is wrapped to leave the watches' module hooks out of the state that
+  ``torch.save(model)``, ``pickle`` and ``copy.deepcopy(model)`` take (a checkpoint loads without
+  ampdoctor, a copy such as an EMA model is not recorded as the original);
+* ``torch.compile`` is wrapped to tell the watches before it runs (they put their hooks' traced
+  calls behind ``torch.compiler.disable`` then, rather than import dynamo at ``watch()``);
 * a global optimizer step post-hook counts optimizer steps.
 
 None of the wrappers syncs with the GPU: they keep device tensors for the session to read.
@@ -74,6 +81,28 @@ class StepTracker:
             return orig_backward(tensors, *args, **kwargs)
 
         self._patch(torch.autograd, "backward", backward)
+        orig_grad = torch.autograd.grad
+
+        @functools.wraps(orig_grad)
+        def grad(outputs: Any, *args: Any, **kwargs: Any) -> Any:
+            sink.on_autograd_grad(outputs)
+            return orig_grad(outputs, *args, **kwargs)
+
+        self._patch(torch.autograd, "grad", grad)
+        orig_getstate = torch.nn.Module.__getstate__
+
+        def __getstate__(module: Any) -> Any:
+            return sink.without_our_hooks(orig_getstate(module))
+
+        self._patch(torch.nn.Module, "__getstate__", __getstate__)
+        orig_compile = getattr(torch, "compile", None)
+        if orig_compile is not None:
+            @functools.wraps(orig_compile)
+            def compile(*args: Any, **kwargs: Any) -> Any:
+                sink.on_compile()
+                return orig_compile(*args, **kwargs)
+
+            self._patch(torch, "compile", compile)
         for cls in _scaler_classes():
             self._wrap_scaler(cls)
         for root in _scaler_roots():  # and those defined (or imported) from now on, as they are created
@@ -131,13 +160,14 @@ class StepTracker:
             key = (id(scaler), "scale")
             if key in inside:  # a subclass's scale() calling the base class's: seen once
                 return orig(scaler, outputs)
-            if getattr(scaler, "_enabled", True) and isinstance(outputs, torch.Tensor):
-                sink.on_scaled_loss(scaler, outputs)
             inside.add(key)
             try:
-                return orig(scaler, outputs)
+                scaled = orig(scaler, outputs)
             finally:
                 inside.discard(key)
+            if getattr(scaler, "_enabled", True) and isinstance(outputs, torch.Tensor):
+                sink.on_scaled_loss(scaler, outputs, scaled)
+            return scaled
 
         return scale
 

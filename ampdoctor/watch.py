@@ -10,6 +10,8 @@ is new or changed since the last look (no hook per parameter). Weights are read 
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import weakref
 from collections import OrderedDict
 from typing import Any
@@ -56,6 +58,7 @@ _compiler = getattr(torch, "compiler", None)
 _disable = getattr(_compiler, "disable", None)
 _is_compiling = getattr(_compiler, "is_compiling", None) or (lambda: False)
 _inference_mode = torch.is_inference_mode_enabled
+_exc_info = sys.exc_info
 _grad_enabled = torch.is_grad_enabled
 _weakref = weakref.ref
 _Tensor = torch.Tensor
@@ -233,12 +236,16 @@ class Watch:
         self._depth = 0
         self._sleepers: list[Any] = []  # handles of the hooks that only work on recorded steps
         self._asleep: list[tuple] | None = None  # (dict, key, hook, keys before it, keys after it)
+        self.wgrad_rows = False  # weight-gradient rows recorded this step (see Session._end_step)
+        self._leaf_hooks: list[Any] = []  # handles of gradient hooks on leaf tensors (see _grad_work)
+        self._unarmed: list[tuple[list, Any]] = []  # hooks' traced calls not yet behind compiler.disable (see _eager)
         root, notes = unwrap_model(model)
         self.root = root
         self.prefix = session.prefix_for(root)  # "" for the first model, ``Class:`` for another
         self._compiled = any("torch.compile" in n for n in notes)
         for n in notes:
             session.note(n)
+        self._all_modules = all_modules
         self._attach(root, all_modules)
         self.snapshot_grads()
         session.attach(self)
@@ -252,7 +259,18 @@ class Watch:
         s = self.session
         ids: dict[int, int] = {}
         seen_params: set[int] = set()
+        # a part of this model that another watch records keeps that watch: its layers are not recorded twice
+        others = [w for w in list(_WATCHED.values()) if not w._removed and w.root is not root]
+        theirs = {id(m): w for w in others for m in w.root.modules()}
+        self._tree = []  # (module._modules, its length, its children) of each module: see tree_changed
         for name, mod in root.named_modules():
+            self._tree.append((mod._modules, len(mod._modules), list(mod._modules.values())))
+            if id(mod) in theirs:
+                if theirs[id(mod)].root is mod:
+                    log.warning("ampdoctor: %s (%s) is watched on its own already: its layers stay recorded under "
+                                "that watch's names, not this model's; remove() that watch before watch(model) to "
+                                "record the whole model under one set of names", name, type(mod).__name__)
+                continue
             full = self.prefix + name
             has_own_params = any(True for _ in mod.parameters(recurse=False))
             is_leaf = not any(True for _ in mod.children())
@@ -265,11 +283,14 @@ class Watch:
             own_in = [False]  # True once the post-hook takes the input flags itself (see prune_pre_hooks)
             prunable = is_leaf and not inplace
             pre_fn = self._make_pre(lid, inplace, prunable)
-            pre = mod.register_forward_pre_hook(pre_fn)
+            pre = mod.register_forward_pre_hook(pre_fn, with_kwargs=True)
             self._sleepers.append(pre)
             if prunable:
                 self._prunable[lid] = (pre, own_in, mod, pre_fn)
-            self._sleepers.append(mod.register_forward_hook(self._make_post(lid, stats, own_in), always_call=False))
+            # always_call: a forward that raises still ends its call (an evaluation that raised would
+            # otherwise leave every later call of the step taken for part of it)
+            self._sleepers.append(mod.register_forward_hook(self._make_post(lid, stats, own_in), with_kwargs=True,
+                                                            always_call=True))
             if name == "" and s.config.oracle is not None:
                 self._handles.append(mod.register_forward_hook(self._root_output_check()))
             if stats:
@@ -281,6 +302,32 @@ class Watch:
                     self._owners.append((mod._parameters, pname))
         self._grads_seen = [None] * len(self._params)
         self._handles.extend(self._sleepers)
+
+    def tree_changed(self) -> bool:
+        """Whether a submodule was replaced, removed or added since the hooks were attached
+        (``resize_token_embeddings``, a new head, LoRA layers swapped in)."""
+        for d, n, kids in self._tree:
+            if len(d) != n or any(a is not b for a, b in zip(d.values(), kids)):
+                return True
+        return False
+
+    def reattach(self) -> None:
+        """Hooks on the model as it is now (see :meth:`tree_changed`): the old ones go, the layers that
+        kept their names keep their rows' names."""
+        asleep = self._asleep is not None
+        for h in self._handles:
+            h.remove()
+        self._handles, self._sleepers, self._asleep = [], [], None
+        self._prunable.clear()
+        self._pruned.clear()
+        self._probed.clear()
+        self._mutators.clear()
+        self._restore.clear()
+        self._params, self._owners = [], []
+        self._attach(self.root, self._all_modules)
+        self.snapshot_grads()
+        if asleep:
+            self.sleep(True)
 
     def sleep(self, asleep: bool) -> None:
         """Take the module hooks out of their dicts for steps that are not
@@ -327,10 +374,18 @@ class Watch:
         work.watch = self
         work.rows = False
         work.add(entries)
-        if type(t) is _Tensor:
+        if t.is_leaf:  # a parameter or a tensor the script made: it outlives the step, its hook must not
+            self._leaf_hooks.append(t.register_hook(work))  # (dropped where the backward pass ends)
+        elif type(t) is _Tensor:
             _new_hook(t, work)
         else:
             t.register_hook(work)
+
+    def drop_leaf_hooks(self) -> None:
+        """Remove the gradient hooks this watch put on leaf tensors (see :meth:`_grad_work`)."""
+        hooks, self._leaf_hooks = self._leaf_hooks, []
+        for h in hooks:
+            h.remove()
 
     def _in_flag(self, lid: int, key: tuple, args: Any, call: int, post: bool = False) -> tuple | None:
         """The slots of this call's floating inputs (their NaN/Inf flag), and an input-gradient
@@ -370,9 +425,9 @@ class Watch:
         in_key = ((lid, "flag", "in"), 0)
         probed = self._probed
 
-        def pre(mod: nn.Module, args: Any) -> None:
+        def pre(mod: nn.Module, args: Any, kwargs: dict) -> None:
             if _is_compiling():
-                return traced(mod, args)
+                return traced[0](mod, args, kwargs)
             if not s.recording or self._removed or _graph_task_id() != -1 or _inference_mode():
                 return  # (inference tensors have no version counter: evaluation under inference_mode is not recorded)
             if self._eval is not None:
@@ -387,6 +442,8 @@ class Watch:
             self._depth += 1
             if layer.ord is None:
                 s.mark_order(lid)
+            if kwargs:  # (keyword inputs, as in model(input_ids=..., inputs_embeds=...), are inputs too)
+                args = (args, kwargs)
             if probe:  # does this leaf change its inputs in place? (see prune_pre_hooks)
                 probed.add(lid)
                 if type(args) is tuple and len(args) == 1 and type(args[0]) is _Tensor:
@@ -419,7 +476,7 @@ class Watch:
             if got is None:
                 continue
             mod, fn, own_in = got
-            handle = mod.register_forward_pre_hook(fn)
+            handle = mod.register_forward_pre_hook(fn, with_kwargs=True)
             self._sleepers.append(handle)
             self._handles.append(handle)
             own_in[0] = False
@@ -452,9 +509,9 @@ class Watch:
         out_key = ((lid, "flag", "out"), 0)
         act_key = (lid, "activation", "out")
 
-        def post(mod: nn.Module, args: Any, out: Any) -> None:
+        def post(mod: nn.Module, args: Any, kwargs: dict, out: Any) -> None:
             if _is_compiling():
-                return traced(mod, args, out)
+                return traced[0](mod, args, kwargs, out)
             if not s.recording or self._removed or s.closed or _graph_task_id() != -1 or _inference_mode():
                 return  # (a forward inside backward is activation checkpointing recomputing it)
             if self._eval is not None:  # inside an evaluation call (see the pre-hook)
@@ -463,6 +520,16 @@ class Watch:
                 return
             if not own_in[0]:  # its pre-hook ran (not pruned): this call is over
                 self._depth -= 1
+                if out is None and _exc_info()[0] is not None:  # its forward raised (always_call): no output,
+                    if vstack:  # not a call; what its pre-hook left goes
+                        vstack.pop()
+                    if stack and s.attributing:
+                        held = stack.pop()
+                        if held is not None:
+                            s._rows.release(held)
+                    return
+            elif out is None and _exc_info()[0] is not None:
+                return
             if s.trained and not _grad_enabled():
                 if self._depth <= 0 and own_in[0]:
                     return  # a leaf called on its own with gradients disabled after training started: evaluation
@@ -481,7 +548,8 @@ class Watch:
             rows = s._rows
             in_flag = None
             if s.attributing:  # the input flags: from the pre-hook, or here once it is gone
-                in_flag = in_flag_of(lid, in_key, args, call, True) if own_in[0] else stack.pop() if stack else None
+                in_flag = (in_flag_of(lid, in_key, (args, kwargs) if kwargs else args, call, True) if own_in[0] else
+                           stack.pop() if stack else None)
                 if in_flag is not None:  # held (since the pre-hook, or as a container's output): the
                     rows.release(in_flag)  # outputs come next, with no flush before them
             if type(out) is _Tensor and out.dtype.is_floating_point and out.layout == _strided and not out.is_meta:
@@ -550,7 +618,7 @@ class Watch:
 
         def post(mod: nn.Module, args: Any, out: Any) -> None:
             if _is_compiling():
-                return traced(mod, args, out)
+                return traced[0](mod, args, out)
             if self._removed or s.closed or _in_backward() or (s.trained and not _grad_enabled()):
                 return  # (an evaluation call's output says nothing of training)
             flag = _nonfinite_flag([t for _, t in floating(iter_tensors(out)) if t.numel()])
@@ -565,16 +633,35 @@ class Watch:
     # traced, hands its call to ``_eager(hook)``: the same hook run eagerly, which marks the watch
     # compiled (its hooks then stay put: no sleeping between recorded steps, whose hook changes
     # would recompile too). A model compiled before ``watch()`` gets hooks disabled for dynamo.
-    def _eager(self, fn):
-        if _disable is None:
-            return fn
+    def _eager(self, fn) -> list:
+        """``[hook]`` for ``fn``'s call when dynamo traces it: the same hook run eagerly, which marks the
+        watch compiled, behind ``torch.compiler.disable``. That import of dynamo takes about a second
+        (and adds sympy's warnings filter), so a watch made before dynamo is imported wraps its hooks
+        only when ``torch.compile`` is first called (:meth:`arm`, from the step tracker's patch)."""
         watch = self
 
         def eager(*args: Any) -> Any:
             watch._compiled = True
             return fn(*args)
 
-        return _disable(eager)
+        box = [eager]
+        if _disable is not None:
+            if "torch._dynamo" in sys.modules:
+                box[0] = _disable(eager)
+            else:
+                self._unarmed.append((box, eager))
+        return box
+
+    def hook_handles(self) -> list[Any]:
+        """The handles of this watch's module hooks (awake or asleep)."""
+        return self._handles
+
+    def arm(self) -> None:
+        """``torch.compile`` is about to be called: the hooks' traced calls go behind
+        ``torch.compiler.disable`` (see :meth:`_eager`)."""
+        todo, self._unarmed = self._unarmed, []
+        for box, eager in todo:
+            box[0] = _disable(eager)
 
     def _guard(self, fn):
         return _disable(fn) if self._compiled and _disable is not None else fn
@@ -622,6 +709,7 @@ class Watch:
             seen[i] = (_weakref(g), ver)
             changed.append((lid, pname, g))
         if changed:
+            self.wgrad_rows = True
             self.session.add_param_rows("weight_grad", changed)
 
     def record_weights(self, rows: Any = None) -> None:
@@ -670,6 +758,7 @@ class Watch:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self.drop_leaf_hooks()
         self._sleepers.clear()
         self._prunable.clear()
         self._pruned.clear()
@@ -738,6 +827,11 @@ def watch(model: nn.Module, *, format: str | None = None, every: int | None = No
     if existing is not None and not existing._removed:
         log.info("ampdoctor: %s is already watched; returning the existing handle", type(root).__name__)
         return existing
+    for other in list(_WATCHED.values()):
+        if not other._removed and any(m is root for m in other.root.modules()):
+            log.info("ampdoctor: %s is part of the watched %s, which records its layers; returning that handle",
+                     type(root).__name__, type(other.root).__name__)
+            return other
     session = get_session(format=format, every=every, trace=trace, all_modules=all_modules)
     if session is not None and session.owned:
         pass  # the CLI's configuration wins
@@ -745,6 +839,10 @@ def watch(model: nn.Module, *, format: str | None = None, every: int | None = No
         for key, value in (("format", format), ("every", every)):
             if value is not None and getattr(session.config, key) != value:
                 log.warning("ampdoctor: session already uses %s=%r; ignoring %r", key, getattr(session.config, key), value)
+        if trace is not None and session.trace_path is not None and \
+                os.path.abspath(os.fspath(trace)) != os.path.abspath(os.fspath(session.trace_path)):
+            log.warning("ampdoctor: this process already records to %s (one trace per process); ignoring trace=%r: "
+                        "remove() the other watches first to start a new trace", session.trace_path, os.fspath(trace))
     all_mods = session.config.all_modules if all_modules is None else all_modules
     return Watch(model, session, all_modules=all_mods)
 

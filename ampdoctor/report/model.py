@@ -227,7 +227,8 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
         decision = d if d.outcome == "fail" else None
     first_loss_bad = next((t["step"] for t in timeline if t["loss"] is not None and not math.isfinite(t["loss"])), None)
     param_events = [e for e in events if e["kind"] == "first_nonfinite" and e["detail"].get("kind") == "weight"]
-    if decision is None and param_events:
+    if param_events and (decision is None or (decision.step is not None and param_events[0]["step"] < decision.step)):
+        # the weights went non-finite before the loss did (as bisect's oracle sees it: it reads the weights)
         decision = Decision("fail", param_events[0]["step"], "nonfinite_params")
     tail = trailing_nonfinite_start([(t["step"], t["loss"]) for t in timeline])
     if decision is None and tail is not None:
@@ -240,9 +241,12 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
         # start-up backoffs, however few the steps are next to the oracle's start-up grace
         decision = Decision("fail", timeline[0]["step"], "skipped_steps")
     fwd_events = [e for e in events if e["kind"] == "first_nonfinite" and e["detail"].get("kind") == "activation"]
-    if decision is None and meta.get("status") == "crashed" and fwd_events:
-        # the script raised after its forward went non-finite (`if loss.isnan(): raise`): the loss of
-        # that last step never reached backward, but the outputs say what happened
+    last = timeline[-1] if timeline else None
+    ended_there = (last is not None and fwd_events and fwd_events[0]["step"] >= last["step"]
+                   and (last["loss"] is None or not math.isfinite(last["loss"])))
+    if decision is None and fwd_events and (meta.get("status") == "crashed" or ended_there):
+        # the script raised, or stopped (`if loss.isnan(): break`), after its forward went non-finite: the
+        # loss of that last step never reached backward, but the outputs say what happened
         decision = Decision("fail", fwd_events[0]["step"], "nonfinite_loss")
     fn = _pick_first_nonfinite(events, decision)
     skipped = sum(1 for t in timeline if t["skipped"])
