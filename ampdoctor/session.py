@@ -609,7 +609,7 @@ class Session:
         for w in self.watches:  # the next step's hooks: only a recorded step needs them
             if w._leaf_hooks:
                 w.drop_leaf_hooks()
-            if self.recording:
+            if self.recording and not recorded:  # (a recorded step looked where it ended)
                 self._follow_tree(w)
             if recorded:
                 w.prune_pre_hooks()

@@ -262,9 +262,10 @@ class Watch:
         # a part of this model that another watch records keeps that watch: its layers are not recorded twice
         others = [w for w in list(_WATCHED.values()) if not w._removed and w.root is not root]
         theirs = {id(m): w for w in others for m in w.root.modules()}
-        self._tree = []  # (module._modules, its length, its children) of each module: see tree_changed
+        self._tree = []  # (module._modules, its children) of each module that has any: see tree_changed
         for name, mod in root.named_modules():
-            self._tree.append((mod._modules, len(mod._modules), list(mod._modules.values())))
+            if mod._modules:
+                self._tree.append((mod._modules, tuple(mod._modules.values())))
             if id(mod) in theirs:
                 if theirs[id(mod)].root is mod:
                     log.warning("ampdoctor: %s (%s) is watched on its own already: its layers stay recorded under "
@@ -306,8 +307,8 @@ class Watch:
     def tree_changed(self) -> bool:
         """Whether a submodule was replaced, removed or added since the hooks were attached
         (``resize_token_embeddings``, a new head, LoRA layers swapped in)."""
-        for d, n, kids in self._tree:
-            if len(d) != n or any(a is not b for a, b in zip(d.values(), kids)):
+        for d, kids in self._tree:  # (modules compare by identity; a module that had none never gets one here)
+            if tuple(d.values()) != kids:
                 return True
         return False
 
