@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import json
 import logging
 import os
 import shutil
@@ -37,6 +38,32 @@ def misplaced_options(command: click.Command, args: Sequence[str]) -> str:
     return (f" {', '.join(f'`{n}`' for n in found)} came after the script's name, so the script got "
             f"{'it' if len(found) == 1 else 'them'}: ampdoctor's own options go before the script "
             f"(`ampdoctor {command.name} {found[0]} ... script.py ARGS`).")
+
+
+def reject_unknown_option(script: str) -> None:
+    """SCRIPT is the first argument that is not one of our options, so a mistyped option before
+    it (``--outdir x train.py``) arrives as the script's name: say it is no option of ours, with
+    click's close-match suggestion, not "script not found: --outdir". An existing file whose name
+    starts with ``-`` is still a script."""
+    if not script.startswith("-") or script == "-" or Path(script).is_file():
+        return
+    import difflib
+
+    ctx = click.get_current_context()
+    name = script.split("=", 1)[0]
+    ours = sorted({o for p in ctx.command.get_params(ctx) for o in p.opts + p.secondary_opts if o.startswith("-")})
+    raise click.NoSuchOption(name, possibilities=difflib.get_close_matches(name, ours), ctx=ctx)
+
+
+def out_problem(out_dir: Path, names: Sequence[str] = ("trace.sqlite",)) -> None:
+    """A usage error, before anything runs, when the run folder holds a file of ours (``trace.sqlite``)
+    that is not an ampdoctor trace: it is never overwritten."""
+    from .trace import trace_problem
+
+    for name in names:
+        problem = trace_problem(out_dir / name)
+        if problem:
+            raise click.UsageError(f"{problem}: pick another --out or remove it")
 
 
 def default_out(script: str, command: str) -> Path:
@@ -184,11 +211,13 @@ def run(out, fmt, every, max_steps, all_modules, nproc, json_path, html_path, so
     from .report import build_report
     from .runner import EXIT_NEVER_TRAINED, ScriptNotFound, run_script, script_problem
 
+    reject_unknown_option(script)
     problem = script_problem(script)
     if problem:
         raise click.UsageError(problem)
     _kinds(kinds)  # a usage error before the script runs, not after
     out_dir = Path(out) if out else default_out(script, "run")
+    out_problem(out_dir, ["trace.sqlite"] + [f"trace.rank{r}.sqlite" for r in range(1, nproc)])
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = RunConfig(trace=str(out_dir / "trace.sqlite"), format=fmt.lower(), every=every, max_steps=max_steps,
                     all_modules=all_modules)
@@ -271,9 +300,12 @@ def report(path, json_path, html_path, csv_path, rank, sort, top, only_bad, matc
 
     log = logging.getLogger("ampdoctor.report")
     log.info("ampdoctor: reading %s", path)
+    _check_bisect_json(Path(path))
     try:
         rep = build_report(path, rank=rank)
-    except (FileNotFoundError, ValueError) as e:
+    except FileNotFoundError as e:
+        raise click.ClickException(str(e) + _trials_hint(Path(path), str(e))) from None
+    except ValueError as e:
         raise click.ClickException(str(e)) from None
     log.info("ampdoctor: trace %s: %d steps in the timeline, %d layer rows, %d events, %d notes%s", rep.trace,
              len(rep.timeline), len(rep.layers), len(rep.events), len(rep.notes),
@@ -281,6 +313,35 @@ def report(path, json_path, html_path, csv_path, rank, sort, top, only_bad, matc
     _print_report(rep, sort, top, only_bad, match, kinds)
     if not _write_outputs(rep, json_path, html_path, csv_path, None):
         sys.exit(1)
+
+
+def _check_bisect_json(folder: Path) -> None:
+    """A run folder's ``bisect.json`` that is JSON but not a bisect result (not an object with a
+    verdict) is an error that says so, not an AttributeError deep in the advice. Unreadable or
+    invalid JSON is the report's to note."""
+    result = folder / "bisect.json"
+    if not folder.is_dir() or not result.is_file():
+        return
+    try:
+        data = json.loads(result.read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(data, dict) or "verdict" not in data:
+        raise click.ClickException(f"{result} is not a bisect result (a JSON object with a verdict, as "
+                                   "`ampdoctor bisect` writes it): move it away to see the trace's report")
+
+
+def _trials_hint(folder: Path, message: str) -> str:
+    """Where the traces are when a bisect folder has none of its own yet (an interrupted bisect
+    copies its baseline's trace only at the end): its trials' folders."""
+    trials = folder / "trials"
+    if not trials.is_dir() or str(trials) in message:
+        return ""
+    traces = sorted(trials.glob("*/trace.sqlite"))
+    if not traces:
+        return f"; this bisect folder holds no trace yet (interrupted?), and no trial under {trials} recorded one"
+    return (f"; this bisect folder holds no baseline trace yet (interrupted?): the trials' traces are in "
+            f"{trials}/ (e.g. `ampdoctor report {traces[0].parent}`)")
 
 
 def _register_bisect() -> None:

@@ -61,10 +61,19 @@ def script_problem(script: str | os.PathLike) -> str | None:
     """Why ``script`` cannot be run as a training script (a message that says what to give), or None."""
     path = Path(script)
     if path.is_file():
-        return None
+        return notebook_problem(path)
     if path.is_dir():
         return f"{script} is a directory, not a script (give the path of a Python training script in it)"
     return f"script not found: {script} (give the path of a Python training script)"
+
+
+def notebook_problem(script: str | os.PathLike) -> str | None:
+    """A Jupyter notebook is JSON, not Python: say how to run it under ampdoctor instead."""
+    if Path(script).suffix.lower() != ".ipynb":
+        return None
+    return (f"{script} is a Jupyter notebook, not a Python script: export it to one "
+            f"(`jupyter nbconvert --to script {script}`) and give the .py, or call `ampdoctor.watch(model)` "
+            "(or `ampdoctor.bisect(train_fn)`) inside the notebook")
 
 
 def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig) -> ScriptResult:

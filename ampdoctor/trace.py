@@ -15,6 +15,7 @@ import os
 import queue
 import sqlite3
 import threading
+import urllib.parse
 import weakref
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -109,6 +110,38 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def trace_meta(path: Path) -> dict | None:
+    """The ``meta`` table of the ampdoctor trace at ``path`` (a non-empty file), or None when the file
+    is not one (not SQLite, or SQLite without ampdoctor's metadata)."""
+    meta = None
+    try:
+        con = sqlite3.connect(f"file:{urllib.parse.quote(str(Path(path).resolve()))}?mode=ro", uri=True, timeout=30)
+        try:
+            meta = dict(con.execute("SELECT key, value FROM meta").fetchall())
+        finally:
+            con.close()
+    except (sqlite3.Error, ValueError, TypeError):
+        pass
+    return meta if meta is not None and "schema_version" in meta else None
+
+
+def trace_problem(path: str | os.PathLike) -> str | None:
+    """Why ``path`` cannot take a new trace: a non-empty file there that is not an ampdoctor trace,
+    which ampdoctor never overwrites (see :func:`_discard_old_trace`). None when there is no file, an
+    empty one, or an earlier ampdoctor trace (that one is started afresh)."""
+    p = Path(path)
+    try:
+        if not p.exists() or (p.is_file() and not p.stat().st_size):
+            return None
+    except OSError:
+        return None
+    if p.is_dir():
+        return f"{p} is a directory, not an ampdoctor trace"
+    if trace_meta(p) is None:
+        return f"{p} exists and is not an ampdoctor trace (ampdoctor never overwrites it)"
+    return None
+
+
 def _discard_old_trace(path: Path) -> None:
     """A new trace starts empty: a trace already at ``path`` from an earlier run (the same
     ``--out`` or ``watch(trace=...)`` used twice) is removed, or its steps, rows and events would be
@@ -118,18 +151,10 @@ def _discard_old_trace(path: Path) -> None:
     if not path.exists():
         return
     if path.stat().st_size:
-        meta = None
-        try:
-            con = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=30)
-            try:
-                meta = dict(con.execute("SELECT key, value FROM meta").fetchall())
-            finally:
-                con.close()
-        except sqlite3.Error:
-            pass
-        if meta is None or "schema_version" not in meta:
-            raise ValueError(f"{path} exists and is not an ampdoctor trace; pass another trace path "
-                             "(ampdoctor does not overwrite it)")
+        problem = trace_problem(path)
+        if problem:
+            raise ValueError(f"{problem}; pass another trace path")
+        meta = trace_meta(path) or {}
         try:
             pid = int(meta.get("pid") or 0)
         except ValueError:

@@ -85,6 +85,8 @@ def read_baseline(trace: str | Path, failure_step: int | None = None, reason: st
             at = [g for g in grad_events if failure_step is None or g["step"] >= failure_step]
             e = at[0] if at else grad_events[-1]
         first = {"layer": e["layer"], "kind": e["detail"].get("kind"), "step": e["step"]}
+        if e["detail"].get("input_nonfinite"):  # the layer's input already held it: the data, not the layer
+            first["input_nonfinite"] = True
     types = {lay["name"]: lay["type"] for lay in all_layers}  # containers never called too (a ModuleDict)
     # weights stored in half precision: a pure .half()/.bfloat16() model, where autocast is not the fix
     half = {by_id[s["layer"]]["name"]: s["dtype"] for s in weights

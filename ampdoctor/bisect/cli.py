@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -33,7 +34,11 @@ def _summary(res: dict) -> str:
         lines.append(f"baseline breaks at step {f['step']}: {f['reason']}")
     if res.get("first_nonfinite"):
         fn = res["first_nonfinite"]
-        lines.append(f"first non-finite: {fn['kind']} of {fn['layer'] or '(root)'} at step {fn['step']}")
+        if fn.get("input_nonfinite"):
+            lines.append(f"first non-finite: the input of {fn['layer'] or '(root)'} at step {fn['step']} (already "
+                         "non-finite: the data, or code outside the watched model)")
+        else:
+            lines.append(f"first non-finite: {fn['kind']} of {fn['layer'] or '(root)'} at step {fn['step']}")
     if res["culprits"]:
         lines.append("culprit(s): " + ", ".join(c or "(whole model)" for c in res["culprits"]))
     for o in res.get("ops", []):
@@ -97,15 +102,19 @@ def bisect_command(out, json_path, fmt, jobs, repeat, timeout, max_steps, margin
 
     Options go before SCRIPT; everything after it (or after `--`) is the script's own.
     Exit status: 0 culprit or healthy, 1 error, 2 usage, 3 not_precision, 4 inconclusive."""
-    from ..cli import _script_args, default_out, misplaced_options
+    from ..cli import _script_args, default_out, misplaced_options, out_problem, reject_unknown_option
     from ..runner import script_problem
     from .driver import BisectOptions, run_bisect
 
+    reject_unknown_option(script)
     problem = script_problem(script)
     if problem:
         raise click.UsageError(problem)
+    if timeout is not None and not timeout > 0:  # (NaN too)
+        raise click.BadParameter(f"{timeout} (seconds per trial: must be > 0)", param_hint="'--timeout'")
     oc = {"nonfinite_k": nonfinite_k}
-    for k, v in (("scale_floor", scale_floor), ("skip_window", skip_window), ("skip_frac", skip_frac)):
+    for k, v in (("scale_floor", scale_floor), ("skip_window", skip_window), ("skip_frac", skip_frac),
+                 ("divergence", divergence)):
         if v is not None:
             oc[k] = v
     try:
@@ -113,26 +122,57 @@ def bisect_command(out, json_path, fmt, jobs, repeat, timeout, max_steps, margin
     except (TypeError, ValueError) as e:
         raise click.BadParameter(str(e)) from None
     out_dir = Path(out) if out else default_out(script, "bisect")
+    out_problem(out_dir)  # the baseline's trace is copied there at the end
     opts = BisectOptions(fmt=fmt.lower(), oracle=oracle, timeout=timeout, max_steps=max_steps, margin=margin, jobs=jobs,
                          repeat=repeat, drill=not no_drill, max_trials=max_trials, divergence=divergence,
                          use_hints=not no_hints, nproc=nproc, fork=True)  # this process ran no torch op
     click.echo(f"ampdoctor bisect: {script} (run folder {out_dir})", err=True)
     args = _script_args(script_args)
-    res = run_bisect(script, args, out_dir, opts, progress=_progress)
+    try:  # `kill` ends the trials too, as Ctrl-C does
+        previous, installed = signal.signal(signal.SIGTERM, _terminated), True
+    except ValueError:  # not the main thread (an embedding caller): no handler of ours
+        previous, installed = None, False
+    try:
+        res = run_bisect(script, args, out_dir, opts, progress=_progress)
+    except KeyboardInterrupt as e:  # the driver stopped every running trial before this
+        status = getattr(e, "exit_status", 130)
+        click.echo(f"\nampdoctor bisect: {'terminated' if status == 143 else 'interrupted'}; stopped the running "
+                   f"trial(s); what ran is in {out_dir / 'trials'}", err=True)
+        if (out_dir / "bisect.json").exists():
+            _copy_json(out_dir, json_path)
+        sys.exit(status)
+    finally:
+        if installed:  # (None: a handler not set from Python; the default is the nearest)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     click.echo(_summary(res))
     if res["verdict"] in ("error", "healthy"):
         hint = misplaced_options(click.get_current_context().command, args)
         if hint:
             click.echo("note:" + hint)
-    if json_path:
-        try:
-            Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-            Path(json_path).write_text((out_dir / "bisect.json").read_text())
-        except OSError as e:  # the result is in the run folder anyway
-            click.echo(f"ampdoctor: could not write {json_path}: {type(e).__name__}: {e} (the result is in "
-                       f"{out_dir / 'bisect.json'})", err=True)
+    _copy_json(out_dir, json_path)
     _write_report(out_dir, res)
     sys.exit(res["exit_status"])
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where bisect waits, so that it ends its trials as on Ctrl-C."""
+
+    exit_status = 143
+
+
+def _terminated(signum, frame) -> None:
+    raise _Terminated()
+
+
+def _copy_json(out_dir: Path, json_path: str | None) -> None:
+    if not json_path:
+        return
+    try:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text((out_dir / "bisect.json").read_text())
+    except OSError as e:  # the result is in the run folder anyway
+        click.echo(f"ampdoctor: could not write {json_path}: {type(e).__name__}: {e} (the result is in "
+                   f"{out_dir / 'bisect.json'})", err=True)
 
 
 def _write_report(out_dir: Path, res: dict) -> None:

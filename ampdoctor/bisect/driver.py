@@ -143,15 +143,43 @@ def run_bisect(script: str | None, args: Sequence[str], out: Path, opts: BisectO
                              max_steps=opts.max_steps, nproc=opts.nproc, fork=opts.fork)
     result: dict[str, Any] = {"verdict": "error", "culprits": [], "failure": None, "first_nonfinite": None, "ops": [],
                               "trials": [], "advice": [], "script": str(script), "args": list(args), "out": str(out)}
+    try:
+        return _bisect(opts, emit, runner, oracle, result, out, t_start)
+    except BaseException as e:
+        # Ctrl-C, SIGTERM (the CLI raises it as an interrupt) or a bug of ours: no trial outlives us.
+        # Each runs in its own session, where the terminal's SIGINT does not reach it.
+        stop = getattr(runner, "stop_all", None)
+        if stop is not None:
+            stop()
+        if isinstance(e, KeyboardInterrupt):  # what is known so far, as an error result
+            try:
+                _write_result(result, runner, out, t_start, "error", exit_status=getattr(e, "exit_status", 130),
+                              error=f"interrupted after {len(runner.trials)} finished trial(s); the trials' "
+                                    f"folders are under {out / 'trials'}")
+            except Exception as w:  # the interrupt is what the caller must see
+                log.warning("ampdoctor bisect: could not write %s: %s", out / "bisect.json", w)
+        raise
+
+
+def _write_result(result: dict, runner: TrialRunner, out: Path, t_start: float, verdict: str,
+                  exit_status: int | None = None, **extra: Any) -> dict:
+    """Complete ``result`` with the trials run so far and write it to ``out/bisect.json``."""
+    result.update(verdict=verdict, **extra)
+    result["trials"] = [t.to_contract() for t in runner.trials]
+    result["trial_details"] = [{"name": t.name, "folder": t.folder, "reason": t.reason, "error": t.error}
+                               for t in runner.trials]
+    result["seconds"] = round(time.monotonic() - t_start, 3)
+    result["exit_status"] = VERDICT_EXIT[verdict] if exit_status is None else exit_status
+    (out / "bisect.json").write_text(json.dumps(_clean(result), indent=2, default=_json_default, allow_nan=False))
+    return result
+
+
+def _bisect(opts: BisectOptions, emit: Callable[[str, dict], None], runner: TrialRunner, oracle: OracleConfig,
+            result: dict, out: Path, t_start: float) -> dict:
+    """The procedure itself (see :func:`run_bisect`), filling ``result``."""
 
     def finish(verdict: str, **extra: Any) -> dict:
-        result.update(verdict=verdict, **extra)
-        result["trials"] = [t.to_contract() for t in runner.trials]
-        result["trial_details"] = [{"name": t.name, "folder": t.folder, "reason": t.reason, "error": t.error}
-                                   for t in runner.trials]
-        result["seconds"] = round(time.monotonic() - t_start, 3)
-        result["exit_status"] = VERDICT_EXIT[verdict]
-        (out / "bisect.json").write_text(json.dumps(_clean(result), indent=2, default=_json_default, allow_nan=False))
+        _write_result(result, runner, out, t_start, verdict, **extra)
         emit("done", result)
         return result
 
@@ -269,12 +297,20 @@ def keep_baseline_trace(out_dir: Path, res: dict) -> Path | None:
     DIR`` then shows it with the bisect result beside it. None when there is none (it never ran)."""
     import shutil
 
+    from ..trace import trace_problem
+
     base = next((d for d in res.get("trial_details", []) if d["name"] == "baseline"), None)
     trace = Path(base["folder"]) / "trace.sqlite" if base is not None else None
     if trace is None or not trace.exists():
         return None
-    shutil.copy(trace, Path(out_dir) / "trace.sqlite")
-    return Path(out_dir) / "trace.sqlite"
+    dest = Path(out_dir) / "trace.sqlite"
+    problem = trace_problem(dest)
+    if problem:  # README: a file there that is not an ampdoctor trace is never overwritten
+        raise ValueError(problem)
+    for suffix in ("-wal", "-shm"):  # an earlier trace's log must not be replayed into the copy
+        Path(f"{dest}{suffix}").unlink(missing_ok=True)
+    shutil.copy(trace, dest)
+    return dest
 
 
 def _clean(o: Any) -> Any:

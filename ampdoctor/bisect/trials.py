@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 
 LITE_EVERY = 1_000_000  # "every" of a search trial: full statistics only at step 0 and after a NaN loss
+STOP_GRACE = 2.0  # seconds a trial ended by an interrupt has between SIGTERM and SIGKILL
 
 
 @dataclass
@@ -128,6 +129,26 @@ class TrialRunner:
         (handle["folder"] / "outcome.json").write_text(json.dumps(trial.__dict__, default=str, indent=1))
         return trial
 
+    def stop_all(self, grace: float = STOP_GRACE) -> None:
+        """End every running trial and whatever it started (its trace writer, torchrun's ranks): each
+        trial's process group gets SIGTERM, then SIGKILL once ``grace`` seconds have passed (or at
+        once when a second interrupt cuts the wait short). The trials are not recorded."""
+        running, self._running = list(getattr(self, "_running", [])), []
+        for h in running:
+            _signal_group(h["proc"], signal.SIGTERM)
+        try:
+            deadline = time.monotonic() + grace
+            waiting = list(running)
+            while waiting and time.monotonic() < deadline:
+                waiting = [h for h in waiting if not _group_gone(h["proc"])]
+                if waiting:
+                    time.sleep(0.05)
+        finally:
+            for h in running:
+                _kill_group(h["proc"])
+                for f in h["files"]:
+                    f.close()
+
     def run(self, name: str, fp32: Sequence[str], *, pass_after: int | None, **kw: Any) -> Trial:
         return self.wait(self.start(name, fp32, pass_after=pass_after, **kw))
 
@@ -187,6 +208,10 @@ class TrialRunner:
                          "GradScaler.update() ran)", **base)
         if dec.get("outcome") == "fail":
             return Trial(outcome="fail", step=dec.get("step"), reason=dec.get("reason"), steps=steps, **base)
+        if data["status"] == "finished" and last_loss_bad is not None:
+            # the script ended on its own inside a non-finite streak shorter than the oracle's K, or
+            # stopped (`break`) on a non-finite loss before backward: broken, as `ampdoctor run` says
+            return Trial(outcome="fail", step=last_loss_bad, reason="nonfinite_loss", steps=steps, **base)
         return Trial(outcome="pass", step=steps, steps=steps, **base)
 
 
@@ -214,10 +239,12 @@ def _trace_tail(path: Path) -> tuple[int | None, int]:
     if not steps:
         return None, 0
     bad_out = meta.get("last_output_nonfinite_step")
-    if bad_out is not None and meta.get("status") == "crashed":
-        return int(bad_out), len(steps)  # raised right after the model's output went NaN/Inf
-    last_step = steps[-1]["step"]
     tail = trailing_nonfinite_start([(s["step"], s["loss"]) for s in steps])
+    if bad_out is not None and meta.get("status") in ("crashed", "finished"):
+        # raised, or stopped on its own (`if not loss.isfinite(): break`), right after the model's output
+        # went NaN/Inf (where a streak of non-finite losses led there, it started the failure)
+        return min(int(bad_out), tail if tail is not None else int(bad_out)), len(steps)
+    last_step = steps[-1]["step"]
     if tail is not None:
         return tail, len(steps)
     last_acts = [a for a in acts if a["step"] == last_step]
@@ -284,6 +311,8 @@ def _fork_trial(script: str, args: list[str], env: dict, stdout: Any, stderr: An
     code = 70
     try:  # the child: a fresh session, its own output files, the trial's environment
         os.setsid()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's (bisect's CLI raises on SIGTERM)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         os.dup2(stdout.fileno(), 1)
         os.dup2(stderr.fileno(), 2)
         os.environ.clear()
@@ -307,5 +336,34 @@ def _kill_group(proc: Any) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
-        proc.kill()
+        if proc.poll() is None:  # (a reaped trial's pid may be another process's by now)
+            proc.kill()
     proc.wait()
+
+
+def _signal_group(proc: Any, sig: int) -> None:
+    """``sig`` to the trial's process group (a trial leads its own session: its pid is the group's
+    id, kept while any process of the group lives), or to the trial alone before it made one."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        if proc.poll() is None:
+            try:
+                os.kill(proc.pid, sig)
+            except ProcessLookupError:
+                pass
+    except PermissionError:
+        pass
+
+
+def _group_gone(proc: Any) -> bool:
+    """The trial exited (reaped here) and no process of its group is left."""
+    if proc.poll() is None:
+        return False
+    try:
+        os.killpg(proc.pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False

@@ -443,9 +443,14 @@ def build_report(path: str | Path, *, rank: int = 0) -> Report:
     bisect_json = Path(path) / "bisect.json" if Path(path).is_dir() else None
     if bisect_json is not None and bisect_json.exists():
         try:
-            report.bisect = json.loads(bisect_json.read_text())
+            got = json.loads(bisect_json.read_text())
         except ValueError:
             report.notes.append(f"{bisect_json} is not valid JSON; bisect result not shown")
+        else:
+            if isinstance(got, dict) and "verdict" in got:
+                report.bisect = got
+            else:
+                report.notes.append(f"{bisect_json} is not a bisect result (no JSON object with a verdict); not shown")
     try:
         from .advice import advise
         report.advice = advise(report)

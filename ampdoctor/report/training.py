@@ -14,23 +14,31 @@ __all__ = ["divergence_advice", "pure_half_advice"]
 
 
 def divergence_advice(report: Report) -> list[str]:
-    """Not a precision problem: bisect's not_precision verdict, or a loss that grew tenfold before it broke."""
+    """Not a precision problem: bisect's not_precision verdict, or a loss that grew tenfold before it broke.
+    Only the losses of steps before the break count: after it the loss (and the scale) restarting from
+    skipped steps says nothing about how training went."""
     d = report.diagnosis
-    b = report.bisect or {}
+    b = report.bisect if isinstance(report.bisect, dict) else {}
     out = []
     if b.get("verdict") == "not_precision":
         out.append("bisect: training breaks with every layer in FP32 too, so this is not a precision problem: "
                    "look at the learning rate, warmup, gradient clipping and the data.")
-    finite = [(t["step"], t["loss"]) for t in report.timeline if t["loss"] is not None and math.isfinite(t["loss"])]
-    if d.reason == "divergence" or (finite and d.broke and len(finite) >= 3):
-        lo_step, lo = min(finite, key=lambda p: p[1]) if finite else (None, None)
-        last_step, last = finite[-1] if finite else (None, None)
-        grew = lo is not None and lo > 0 and last > 10 * lo and last_step > lo_step
-        if d.reason == "divergence" or grew:
-            out.append(f"The loss grew from {fmt_num(lo)} (step {lo_step}) to {fmt_num(last)} (step {last_step}) "
-                       "before training broke: an optimisation divergence. Lower the learning rate, add warmup, "
-                       "and clip gradients (`scaler.unscale_(opt); torch.nn.utils.clip_grad_norm_(model.parameters(), "
-                       "1.0)` before `scaler.step(opt)`).")
+    broke_at = d.step if d.broke else None
+    finite = [(t["step"], t["loss"]) for t in report.timeline if t["loss"] is not None and math.isfinite(t["loss"])
+              and (broke_at is None or t["step"] < broke_at)]
+    grew = False
+    if d.broke and len(finite) >= 3:
+        lo_step, lo = min(finite, key=lambda p: p[1])
+        last_step, last = finite[-1]
+        grew = lo > 0 and last > 10 * lo and last_step > lo_step
+    fix = ("Lower the learning rate, add warmup, and clip gradients (`scaler.unscale_(opt); "
+           "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)` before `scaler.step(opt)`).")
+    if grew:
+        out.append(f"The loss grew from {fmt_num(lo)} (step {lo_step}) to {fmt_num(last)} (step {last_step}) "
+                   f"before training broke: an optimisation divergence. {fix}")
+    elif d.reason == "divergence":
+        out.append(f"The loss diverged from the FP32 control's{f' at step {d.step}' if d.step is not None else ''}: "
+                   f"an optimisation divergence. {fix}")
     return out
 
 
