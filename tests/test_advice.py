@@ -482,8 +482,11 @@ def test_a_scale_that_only_fell_is_not_told_it_keeps_growing_into_overflow(tmp_p
     # finite losses, one step taken, then three skips while the scale only fell: persistent, not frequent
     p = synthetic_trace(tmp_path / "fell.sqlite", grad_exps=[(-4, 10)], scales=[2.0 ** 16] + scales[1:],
                         skipped=[0, 1, 1, 1])
-    h = scaler_health(build_report(p))
+    rep = build_report(p)
+    h = scaler_health(rep)
     assert (h.state, h.overflow_after_startup) == ("persistent", 3)
+    text = "\n".join(rep.advice)  # 3 of 4 steps: too few for "most of the last 10", which it said
+    assert "3 after start-up, again and again while the scale only fell: persistent" in text, text
 
 
 def test_a_scale_that_grows_back_into_overflow_is_frequent(tmp_path):

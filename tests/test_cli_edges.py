@@ -370,3 +370,23 @@ for step in range(40):
         loss_nan = min(s["step"] for s in r.steps() if s["loss"] is not None and not math.isfinite(s["loss"]))
     assert weight_nan < loss_nan
     assert f"Training broke at step {weight_nan}: parameters became non-finite" in run.stdout, run.stdout
+
+
+def test_a_trial_that_ends_with_os_exit_0_is_judged_by_its_trace(tmp_path):
+    script = tmp_path / "osexit.py"
+    script.write_text("""
+import os, torch
+from torch import nn
+torch.set_num_threads(1); torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(6):
+    loss = model(torch.randn(4, 4)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    if step == 3:
+        os._exit(0)  # (skips a hang at interpreter exit)
+""")
+    bis = _ampdoctor("bisect", "--out", tmp_path / "bis", "--json", tmp_path / "b.json", script, cwd=tmp_path)
+    res = json.loads((tmp_path / "b.json").read_text())
+    assert res["verdict"] == "healthy", bis.stdout + bis.stderr  # was error: "the trial process died (exit status 0)"
+    assert bis.returncode == 0

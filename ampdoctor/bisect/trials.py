@@ -183,6 +183,12 @@ class TrialRunner:
         last_loss_bad, steps = _trace_tail(folder / "trace.sqlite")
         if timed_out:
             return Trial(outcome="timeout", error=f"killed after {self.timeout:.0f}s (--timeout)", steps=steps, **base)
+        if data is None and returncode == 0 and steps:
+            # the script ended the process itself (os._exit(0)) before the trial could write its result:
+            # what it trained is in the trace, as for a script that finished
+            if last_loss_bad is not None:
+                return Trial(outcome="fail", step=last_loss_bad, reason="nonfinite_loss", steps=steps, **base)
+            return Trial(outcome="pass", step=steps, steps=steps, **base)
         if data is None:
             why = f"the trial process died (exit status {returncode})"
             if returncode is not None and returncode < 0:

@@ -36,6 +36,8 @@ class ScalerHealth:
     max_scale: float | None
     nonfinite_loss_skips: int = 0  # skipped steps whose loss itself was NaN/Inf (the forward broke, not the scale)
     overflow_after_startup: int = 0  # skipped steps after start-up with a finite loss: the scaled gradients overflowed
+    tail_skips: int = 0  # skipped steps among the last 10 after start-up (``tail_len`` of them)
+    tail_len: int = 0
 
 
 def scaler_health(report: Report) -> ScalerHealth:
@@ -82,7 +84,7 @@ def scaler_health(report: Report) -> ScalerHealth:
         state = "healthy"
     first = scales[0] * (2.0 if skipped and skipped[0] else 1.0)
     return ScalerHealth(state, len(tl), sum(skipped), startup, n_after, first, scales[-1], min(scales), max(scales),
-                        bad_loss, n_overflow)
+                        bad_loss, n_overflow, sum(tail), len(tail))
 
 
 def scaler_advice(report: Report, h: ScalerHealth, ls: LossScaleAnalysis | None) -> list[str]:
@@ -101,7 +103,9 @@ def scaler_advice(report: Report, h: ScalerHealth, ls: LossScaleAnalysis | None)
                 "overflow at every scale, so the Inf/NaN comes from a layer that produces it, not from the loss scale. "
                 "Fix that layer (above); changing init_scale will not help." + forward]
     if h.state == "persistent":
-        return [f"{base}, {h.skipped_after_startup} after start-up and most of the last 10: persistent overflow. The scale "
+        where = ("most of the last 10" if h.tail_skips * 2 > h.tail_len >= 5 else
+                 "again and again while the scale only fell")
+        return [f"{base}, {h.skipped_after_startup} after start-up, {where}: persistent overflow. The scale "
                 f"fell to {lg(h.last_scale)} without the overflow stopping: a layer produces Inf/NaN (see the culprit), "
                 "or the gradients span more binades than the format holds." + forward]
     if h.state == "nan":
