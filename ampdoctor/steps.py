@@ -59,6 +59,19 @@ def _scaler_classes() -> list[type]:
     return classes
 
 
+def _notify_first(orig: Callable, notify: Callable[[Any], None], arg: str | None = None) -> Callable:
+    """``orig``, wrapped to call ``notify`` with its first argument (given by position, or by the
+    keyword ``arg``) before it runs. (Callers pass a lambda that looks the sink's method up at each
+    call, as a replaced method is then seen.)"""
+
+    @functools.wraps(orig)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        notify(args[0] if args else kwargs.get(arg) if arg else None)
+        return orig(*args, **kwargs)
+
+    return wrapper
+
+
 class StepTracker:
     """Installs the patches and forwards what they see to ``sink`` (the session)."""
 
@@ -73,36 +86,16 @@ class StepTracker:
         if self.installed:
             return
         sink = self._sink
-        orig_backward = torch.autograd.backward
-
-        @functools.wraps(orig_backward)
-        def backward(tensors: Any, *args: Any, **kwargs: Any) -> Any:
-            sink.on_backward(tensors)
-            return orig_backward(tensors, *args, **kwargs)
-
-        self._patch(torch.autograd, "backward", backward)
-        orig_grad = torch.autograd.grad
-
-        @functools.wraps(orig_grad)
-        def grad(outputs: Any, *args: Any, **kwargs: Any) -> Any:
-            sink.on_autograd_grad(outputs)
-            return orig_grad(outputs, *args, **kwargs)
-
-        self._patch(torch.autograd, "grad", grad)
+        self._patch(torch.autograd, "backward", _notify_first(torch.autograd.backward, lambda t: sink.on_backward(t), "tensors"))
+        self._patch(torch.autograd, "grad", _notify_first(torch.autograd.grad, lambda t: sink.on_autograd_grad(t), "outputs"))
         orig_getstate = torch.nn.Module.__getstate__
 
         def __getstate__(module: Any) -> Any:
             return sink.without_our_hooks(orig_getstate(module))
 
         self._patch(torch.nn.Module, "__getstate__", __getstate__)
-        orig_compile = getattr(torch, "compile", None)
-        if orig_compile is not None:
-            @functools.wraps(orig_compile)
-            def compile(*args: Any, **kwargs: Any) -> Any:
-                sink.on_compile()
-                return orig_compile(*args, **kwargs)
-
-            self._patch(torch, "compile", compile)
+        if getattr(torch, "compile", None) is not None:
+            self._patch(torch, "compile", _notify_first(torch.compile, lambda _: sink.on_compile()))
         for cls in _scaler_classes():
             self._wrap_scaler(cls)
         for root in _scaler_roots():  # and those defined (or imported) from now on, as they are created
