@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,11 +23,8 @@ def main(argv: list[str] | None = None) -> int:
     if cfg is None or not out or not argv:
         print("ampdoctor._trial is started by `ampdoctor bisect`/`run --nproc-per-node`, not by hand", file=sys.stderr)
         return 2
-    try:
-        res = run_script(argv[0], argv[1:], cfg)
-    except ScriptNotFound as e:
-        data = {"status": "crashed", "exit_code": 2, "error": str(e), "steps": 0, "trained": False}
-    else:
+
+    def record(res: Any) -> dict:
         data = {
             "status": res.status, "exit_code": res.exit_code, "error": res.error, "traceback": res.traceback,
             "steps": res.steps, "optimizer_steps": res.optimizer_steps, "trained": res.trained,
@@ -34,13 +32,14 @@ def main(argv: list[str] | None = None) -> int:
             "decision": None if res.decision is None else {
                 "outcome": res.decision.outcome, "step": res.decision.step, "reason": res.decision.reason},
         }
-    rank = os.environ.get("RANK", "0")
-    out = out.replace("{rank}", rank)
-    data["rank"] = int(rank) if rank.isdigit() else 0
-    tmp = out + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, out)
+        _write(out, data)
+        return data
+
+    try:
+        # (a script that ends with os._exit() gets its result written on the way out)
+        data = record(run_script(argv[0], argv[1:], cfg, on_hard_exit=record))
+    except ScriptNotFound as e:
+        data = _write(out, {"status": "crashed", "exit_code": 2, "error": str(e), "steps": 0, "trained": False})
     sys.stdout.flush()
     sys.stderr.flush()
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and data.get("status") == "stopped":
@@ -48,6 +47,18 @@ def main(argv: list[str] | None = None) -> int:
             _wait_for(os.environ["AMPDOCTOR_TRIAL_RESULT"].replace("{rank}", "0"), RANK0_GRACE)
         return STOPPED_UNDER_TORCHRUN  # non-zero: torchrun then stops the other ranks too
     return 0
+
+
+def _write(out: str, data: dict) -> dict:
+    """The trial's result, for rank ``RANK`` (``{rank}`` in ``out``), written atomically."""
+    rank = os.environ.get("RANK", "0")
+    data["rank"] = int(rank) if rank.isdigit() else 0
+    path = out.replace("{rank}", rank)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)
+    return data
 
 
 def _wait_for(path: str, seconds: float) -> None:

@@ -227,20 +227,31 @@ def run(out, fmt, every, max_steps, all_modules, nproc, json_path, html_path, so
                       json_path, html_path)
         return
     cwd = os.getcwd()
+    args = _script_args(script_args)
+
+    def show(result) -> None:
+        os.chdir(cwd)  # a script that changed directory: --out, --json, --html are relative to where we were started
+        report = build_report(result.trace)
+        _print_report(report, sort, top, only_bad, match, kinds)
+        _write_outputs(report, json_path, html_path, None, out_dir)
+        click.echo(f"run folder: {out_dir}  (re-render: ampdoctor report {out_dir})")
+
+    def hard_exit(result) -> None:  # the script called os._exit(): the report now, then that exit
+        show(result)
+        click.echo(f"ampdoctor: {script} ended the process with os._exit({result.exit_code}).", err=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+
     try:
-        result = run_script(script, _script_args(script_args), cfg)
+        result = run_script(script, args, cfg, on_hard_exit=hard_exit)
     except ScriptNotFound as e:
         raise click.UsageError(str(e)) from None
     finally:
-        os.chdir(cwd)  # a script that changed directory: --out, --json, --html are relative to where we were started
-    args = _script_args(script_args)
+        os.chdir(cwd)
     if not result.trained and result.status == "finished" and {"-h", "--help"} & set(args):
         click.echo(f"ampdoctor: {script} printed its help and trained nothing (nothing recorded).", err=True)
         sys.exit(0)
-    report = build_report(result.trace)
-    _print_report(report, sort, top, only_bad, match, kinds)
-    _write_outputs(report, json_path, html_path, None, out_dir)
-    click.echo(f"run folder: {out_dir}  (re-render: ampdoctor report {out_dir})")
+    show(result)
     if result.status == "crashed":
         click.echo(f"\nThe script raised {result.error}\n{result.traceback or ''}", err=True)
         click.echo(f"ampdoctor: {script} failed after {result.completed} completed step(s); the trace of what ran is kept in "

@@ -12,7 +12,7 @@ import sys
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .config import RunConfig
 from .session import Session, StopRun, _set_current
@@ -76,9 +76,12 @@ def notebook_problem(script: str | os.PathLike) -> str | None:
             "(or `ampdoctor.bisect(train_fn)`) inside the notebook")
 
 
-def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig) -> ScriptResult:
+def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig,
+               on_hard_exit: Callable[[ScriptResult], None] | None = None) -> ScriptResult:
     """Run ``script`` with ``args`` under a session configured by ``config``. Never raises for the
-    script's own failures: they come back in the result, with everything recorded kept."""
+    script's own failures: they come back in the result, with everything recorded kept.
+    ``on_hard_exit``: called with the result when the script ends the process itself with
+    ``os._exit()`` (no return from here then), before the process exits."""
     problem = script_problem(script)
     if problem:
         raise ScriptNotFound(problem)
@@ -98,25 +101,14 @@ def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig
     saved_main = sys.modules.get("__main__")
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.parent))
-    status, code, err, tb, stop_reason, decision = "finished", 0, None, None, None, None
-    try:
-        runpy.run_path(str(path), run_name="__main__")
-    except StopRun as e:
-        status, stop_reason, decision = "stopped", e.reason, e.decision
-    except SystemExit as e:
-        if e.code is None or e.code == 0:
-            status, code = "finished", 0
-        elif isinstance(e.code, int):
-            status, code = "exited", e.code
-        else:
-            status, code, err = "exited", 1, str(e.code)
-    except KeyboardInterrupt:
-        status, code, err = "interrupted", 130, "KeyboardInterrupt"
-    except BaseException as e:  # the user's script failed: keep its cause, not ours
-        status, code = "crashed", 1
-        err = f"{type(e).__name__}: {e}"
-        tb = _user_traceback(e, path)
-    finally:
+    real_exit, pid = os._exit, os.getpid()
+    done: list[ScriptResult] = []
+
+    def finish(status: str, code: int, err: str | None = None, tb: str | None = None,
+               stop_reason: str | None = None, decision: Any = None) -> ScriptResult:
+        if done:
+            return done[0]
+        os._exit = real_exit
         sys.argv[:] = saved_argv
         sys.path[:] = saved_path
         if saved_main is not None:
@@ -138,9 +130,45 @@ def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig
             os.environ.pop("AMPDOCTOR_CONFIG", None)
         else:
             os.environ["AMPDOCTOR_CONFIG"] = saved_env
-    return ScriptResult(status=status, exit_code=code, trace=str(session.trace_path), steps=steps,
-                        optimizer_steps=opt_steps, error=err, traceback=tb, stop_reason=stop_reason, decision=decision,
-                        trained=trained, completed=completed)
+        done.append(ScriptResult(status=status, exit_code=code, trace=str(session.trace_path), steps=steps,
+                                 optimizer_steps=opt_steps, error=err, traceback=tb, stop_reason=stop_reason,
+                                 decision=decision, trained=trained, completed=completed))
+        return done[0]
+
+    def hard_exit(n: int) -> None:
+        # os._exit() skips every except and finally: the run ends here, as it would on sys.exit (not in a
+        # forked child, such as a DataLoader worker, which ends its own process this way)
+        if os.getpid() == pid:
+            try:
+                result = finish("finished" if n == 0 else "exited", int(n))
+                if on_hard_exit is not None:
+                    on_hard_exit(result)
+            except BaseException as e:  # noqa: BLE001 - the exit must happen
+                log.warning("ampdoctor: could not end the run at os._exit(): %s: %s", type(e).__name__, e)
+        real_exit(n)
+
+    os._exit = hard_exit
+    status, code, err, tb, stop_reason, decision = "finished", 0, None, None, None, None
+    try:
+        runpy.run_path(str(path), run_name="__main__")
+    except StopRun as e:
+        status, stop_reason, decision = "stopped", e.reason, e.decision
+    except SystemExit as e:
+        if e.code is None or e.code == 0:
+            status, code = "finished", 0
+        elif isinstance(e.code, int):
+            status, code = "exited", e.code
+        else:
+            status, code, err = "exited", 1, str(e.code)
+    except KeyboardInterrupt:
+        status, code, err = "interrupted", 130, "KeyboardInterrupt"
+    except BaseException as e:  # the user's script failed: keep its cause, not ours
+        status, code = "crashed", 1
+        err = f"{type(e).__name__}: {e}"
+        tb = _user_traceback(e, path)
+    finally:
+        result = finish(status, code, err, tb, stop_reason, decision)
+    return result
 
 
 def _attach_probe(watch: Any, config: RunConfig, probes: list) -> None:

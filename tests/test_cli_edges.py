@@ -390,3 +390,31 @@ for step in range(6):
     res = json.loads((tmp_path / "b.json").read_text())
     assert res["verdict"] == "healthy", bis.stdout + bis.stderr  # was error: "the trial process died (exit status 0)"
     assert bis.returncode == 0
+
+
+def test_run_of_a_script_that_ends_with_os_exit_prints_the_report(tmp_path):
+    """os._exit() skips every except and finally: the report is printed on the way out, and the
+    process ends with the script's status. Forked DataLoader workers, which end with os._exit too,
+    do not end the run."""
+    script = tmp_path / "osexit.py"
+    script.write_text("""
+import os, torch
+from torch import nn
+torch.manual_seed(0)
+class DS(torch.utils.data.Dataset):
+    def __len__(self): return 16
+    def __getitem__(self, i): return torch.randn(4)
+model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+for x in torch.utils.data.DataLoader(DS(), batch_size=4, num_workers=2, multiprocessing_context="fork"):
+    loss = model(x).pow(2).mean(); opt.zero_grad(); loss.backward(); opt.step()
+print("trained", flush=True)
+os._exit(3)
+""")
+    run = _ampdoctor("run", "--out", tmp_path / "run", script, cwd=tmp_path)
+    assert run.returncode == 3, run.stdout + run.stderr
+    assert run.stdout.count("run folder:") == 1 and "Training did not break in the 4 steps seen" in run.stdout
+    assert "ended the process with os._exit(3)" in run.stderr
+    from ampdoctor.trace import TraceReader
+    with TraceReader(tmp_path / "run" / "trace.sqlite") as r:
+        assert len(r.steps()) == 4 and r.meta()["status"] == "exited"
