@@ -610,7 +610,7 @@ class Session:
             if w._leaf_hooks:
                 w.drop_leaf_hooks()
             if self.recording and not recorded:  # (a recorded step looked where it ended)
-                self._follow_tree(w)
+                self._follow_tree(w, before_forward=True)
             if recorded:
                 w.prune_pre_hooks()
             w.sleep(not self.recording)
@@ -623,14 +623,17 @@ class Session:
             self.writer.commit()
             raise StopRun("max_steps")
 
-    def _follow_tree(self, w: Any) -> None:
+    def _follow_tree(self, w: Any, before_forward: bool = False) -> None:
         """A watched model whose submodules were replaced, removed or added since watch(): the hooks
-        move to the model as it is now (the old modules' numbers would be stale), with a note."""
+        move to the model as it is now (the old modules' numbers would be stale), with a note.
+        ``before_forward``: seen before a recorded step's forward (else where a recorded step ends,
+        after its forward: its weights are the new modules', its activations were the old ones')."""
         if w.tree_changed():
             w.reattach()
+            when = (f"from step {self.step} on" if before_forward else
+                    f"the weights from step {self.step} on, the activations and gradients from step {self.step + 1}")
             self.note(f"the modules of the watched {type(w.root).__name__} changed after watch() (a layer replaced, "
-                      f"added or removed): recorded as they are now, the weights from step {self.step} on, the "
-                      f"activations and gradients from step {self.step + 1}")
+                      f"added or removed): recorded as they are now, {when}")
 
     def _late_weight_grads(self, w: Any) -> None:
         """A recorded step whose backward passes left no weight gradient (``torch.autograd.grad``'s
