@@ -48,6 +48,11 @@ def test_fixture_verdict_and_culprits(tmp_path, key, exp):
     if exp["verdict"] == "culprit":
         assert res["failure"]["reason"] in ("nonfinite_loss", "nonfinite_params", "scale_collapse", "skipped_steps")
         assert res["ops"] and all(":" in o["where"] for o in res["ops"])
+        # every culprit's first overflowing op (two culprits: each drilled with the other forced; with
+        # nothing forced the run stopped at the first one's failure, before the second overflowed)
+        firsts = {o["layer"]: o["op"] for o in res["ops"] if o["pick"] == "first"}
+        for want in exp.get("first_bad_op", []):
+            assert firsts.get(want["module"]) == want["op"], (want, res["ops"])
         assert any("ampdoctor.keep_fp32(model" in a for a in res["advice"])
         assert (out / "report.json").exists()
     if exp["verdict"] == "error":

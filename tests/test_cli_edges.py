@@ -418,3 +418,17 @@ os._exit(3)
     from ampdoctor.trace import TraceReader
     with TraceReader(tmp_path / "run" / "trace.sqlite") as r:
         assert len(r.steps()) == 4 and r.meta()["status"] == "exited"
+
+
+def test_pass_after_is_capped_at_max_steps_with_a_note(tmp_path):
+    """--max-steps below the baseline's failure step plus the margin: the trials pass at --max-steps, so
+    `pass_after` says that step, not one no trial reached."""
+    script = tmp_path / "overflow.py"
+    script.write_text(_OVERFLOW)
+    bis = _ampdoctor("bisect", "--max-steps", 27, "--no-drill", "--out", tmp_path / "bis", "--json", tmp_path / "b.json",
+                     script, "--", "plain", 60, cwd=tmp_path)
+    res = json.loads((tmp_path / "b.json").read_text())
+    assert res["verdict"] == "culprit" and res["failure"]["step"] == 24, bis.stdout + bis.stderr
+    assert res["pass_after"] == 27
+    assert all(t["step"] <= 27 for t in res["trials"] if t["outcome"] == "pass")
+    assert any("--max-steps 27 ends every trial before step" in n for n in res["notes"])

@@ -230,6 +230,12 @@ def _bisect(opts: BisectOptions, emit: Callable[[str, dict], None], runner: Tria
     # must at least run past that step, or every trial "passes" before its failure can show.
     detected = max(fail_step, (base.steps or 0) - 1)
     pass_after = max(fail_step + margin, detected + 1)
+    if opts.max_steps is not None and pass_after > opts.max_steps:
+        # the trials end at --max-steps: they are judged, and the culprits verified, up to there only
+        base_notes.append(f"--max-steps {opts.max_steps} ends every trial before step {pass_after} (the baseline's "
+                          f"failure step {fail_step} plus the margin): trials pass at step {opts.max_steps}, and the "
+                          "culprits are verified up to there; raise --max-steps to verify further")
+        pass_after = opts.max_steps
     result["pass_after"] = pass_after
     root_set = frozenset(n for n in bl.candidates if bl.parent.get(n) is None)
     known: dict[frozenset, str] = {frozenset(): "fail"}
@@ -268,14 +274,29 @@ def _bisect(opts: BisectOptions, emit: Callable[[str, dict], None], runner: Tria
     culprits = list(sr.culprits)
     result["culprits"] = culprits
     ops: list[dict] = []
+    drills: list[tuple[list[str], Path]] = []  # (culprits probed, the run's trace)
     if opts.drill:
         emit("start", {"name": "drill-down"})
-        d = record(runner.run("drill-down", [], pass_after=None, probe=culprits))
-        ops = _ops_from(Path(d.folder) / "trace.sqlite", culprits)
+        if len(culprits) == 1:
+            d = record(runner.run("drill-down", [], pass_after=None, probe=culprits))
+            drills.append((culprits, Path(d.folder) / "trace.sqlite"))
+        else:
+            # each culprit with the others forced: the run where it is what still breaks (minimality). With
+            # nothing forced the run stops at the first failure, before a later culprit's overflow, and one
+            # fed by another culprit (its input finite in FP32 but beyond the format's max) looks like one
+            # whose input came in NaN/Inf
+            for c in culprits:
+                others = [x for x in culprits if x != c]
+                d = record(runner.run(("drill-down-" + (c or "root"))[:60].replace("/", "_"), others, pass_after=None,
+                                      probe=[c]))
+                drills.append(([c], Path(d.folder) / "trace.sqlite"))
+        for probed, trace in drills:
+            ops += _ops_from(trace, probed)
     result["ops"] = ops
     result["advice"] = fix_snippets(culprits, bl.types, ops, bl.half_weights, bl.wrapper)
     if opts.drill:
-        result["advice"] += _came_in_too_large(Path(d.folder) / "trace.sqlite", culprits, opts.fmt)
+        for probed, trace in drills:
+            result["advice"] += _came_in_too_large(trace, probed, opts.fmt)
         for c in culprits:
             if not any(o["layer"] == c or o["layer"].startswith(c + ".") or c == "" for o in ops if o["phase"] == "forward"):
                 notes.append(f"no op inside {c or 'the model'} overflowed in the drill-down: forcing it may help only by "
