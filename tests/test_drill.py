@@ -278,3 +278,36 @@ def test_notebook_cell_location_is_the_cell_plain_files_unchanged(monkeypatch, c
     with torch.autocast(**AC), OpProbe(model, ["1"]) as probe:
         model(torch.randn(3, 8))
     assert probe.first.where == f"{os.path.basename(name)}:8"
+
+
+def test_a_gradient_that_came_in_nonfinite_is_not_made_by_the_layer():
+    """The backward of code outside the probed layer (a custom autograd Function in its parent) makes
+    the Inf: the gradient of the layer's output arrives non-finite. Its op is marked as passing it on
+    (the bisect summary and JSON say it came in), where it was reported as the layer's own."""
+
+    class Amp(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * 1e7  # beyond fp16's max
+
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return Amp.apply(self.fc(x))
+
+    torch.manual_seed(0)
+    model = Gate()
+    with OpProbe(model, ["fc"]) as probe:
+        with torch.autocast(**AC):
+            out = model(torch.randn(4, 8))
+        (out.float().sum() * 100).backward()
+    bwd = [f for f in probe.findings if f.phase == "backward"]
+    assert bwd and all(f.nonfinite and f.passthrough for f in bwd), probe.findings
+    assert probe.first is bwd[0]  # (nothing else to name; the bisect summary says it came in)

@@ -44,7 +44,8 @@ def _summary(res: dict) -> str:
     for o in res.get("ops", []):
         amax = "inf" if o["absmax"] is None or o["absmax"] == float("inf") else f"{o['absmax']:.3g}"
         lines.append(f"  {o['pick']:>6} op in {o['layer'] or '(root)'}: {o['op']} at {o['where']} "
-                     f"({o['phase']}, abs-max {amax})")
+                     f"({o['phase']}, abs-max {amax})" + (": its gradient came in non-finite from outside the layer"
+                                                          if o.get("came_in") else ""))
     n = len(res["trials"])
     lines.append(f"{n} trial(s), {res.get('seconds', 0):.1f}s")
     if res["verdict"] == "healthy":

@@ -75,7 +75,9 @@ class OpFinding:
     dtype: str = ""  # dtype of the output
     absmax_fp32: Optional[float] = None  # producers: the same op recomputed in fp32
     # an overflow whose floating inputs already held values beyond the format's max (or NaN/Inf):
-    # the op passed them on (a transpose, a reshape, a dropout of an input that was too large)
+    # the op passed them on (a transpose, a reshape, a dropout of an input that was too large); in
+    # backward, a non-finite gradient of an op whose output is the probed module's: it came in so
+    # from outside the module
     passthrough: bool = False
 
     @property
@@ -224,6 +226,7 @@ class OpProbe:
         # the format's max, or a NaN/Inf, when the module was called (the values grew before it)
         self.inputs_beyond: dict[str, tuple[float, Optional[int]]] = {}
         self._handles: list[Any] = []
+        self._cells: dict[int, list] = {}  # id of an op output -> its grad hook's "is a module output" cell
         self._local = threading.local()  # .stack: probed modules running, .mode: the active mode
         self._lock = threading.Lock()
         self._closed = True
@@ -234,7 +237,8 @@ class OpProbe:
         within range; an op that only passed on values already too large comes after them."""
         fwd = [f for f in self.findings if f.phase == "forward"]
         made = [f for f in fwd if not f.passthrough]
-        return (made or fwd or self.findings or [None])[0]
+        made_bwd = [f for f in self.findings if f.phase == "backward" and not f.passthrough]
+        return (made or fwd or made_bwd or self.findings or [None])[0]
 
     @property
     def _stack(self) -> list[str]:
@@ -307,8 +311,13 @@ class OpProbe:
             stack = self._stack
             if not stack:
                 return
+            for t in _tensors(output):  # its ops' outputs that leave the module: their gradients come from outside
+                cell = self._cells.get(id(t))
+                if cell is not None:
+                    cell[0] = True
             stack.pop()
             if not stack:
+                self._cells.clear()
                 self._exit_mode()
         return hook
 
@@ -340,7 +349,8 @@ class OpProbe:
                 finding.passthrough = any(_beyond(x, self.fmt.max) is not None for x in _tensors((args, kwargs)))
             self._keep(finding, producer or d["overflow"] > 0)
             if self.backward and t.requires_grad:
-                t.register_hook(self._grad_hook(layer, op, loc))
+                cell = self._cells[id(t)] = [False]  # set when t turns out to be the probed module's output
+                t.register_hook(self._grad_hook(layer, op, loc, cell))
 
     def _finding(self, layer: str, op: str, loc: tuple[str, int], d: dict, producer: bool,
                  dtype: str, phase: str) -> OpFinding:
@@ -396,7 +406,7 @@ class OpProbe:
         except Exception:  # noqa: BLE001 - a best-effort measurement
             return None
 
-    def _grad_hook(self, layer: str, op: str, loc: tuple[str, int]) -> Callable:
+    def _grad_hook(self, layer: str, op: str, loc: tuple[str, int], cell: list) -> Callable:
         def hook(grad: torch.Tensor) -> None:
             if self._closed or not grad.is_floating_point():
                 return
@@ -404,6 +414,7 @@ class OpProbe:
             nonfinite = d["nan"] + d["posinf"] + d["neginf"] > 0
             finding = self._finding(layer, op, loc, d, nonfinite, str(grad.dtype).replace("torch.", ""),
                                     "backward")
+            finding.passthrough = nonfinite and cell[0]
             self._keep(finding, nonfinite or d["overflow"] > 0)
         return hook
 

@@ -71,6 +71,8 @@ def _ops_from(trace: Path, culprits: Sequence[str]) -> list[dict]:
             item = {"layer": e["layer"], "op": d.get("op"), "where": d.get("where"), "absmax": absmax,
                     "phase": d.get("phase", "forward"), "nonfinite": bool(d.get("nonfinite")), "step": e["step"],
                     "pick": pick, "dtype": d.get("dtype")}
+            if d.get("passthrough") and item["phase"] == "backward":
+                item["came_in"] = True  # its gradient was already non-finite where it left the culprit
             if not any(o["op"] == item["op"] and o["where"] == item["where"] and o["phase"] == item["phase"] for o in ops):
                 ops.append(item)
     return ops
