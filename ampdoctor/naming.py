@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import keyword
 import re
-from typing import Mapping, Optional
+from typing import Container, Mapping, Optional
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
@@ -17,13 +18,13 @@ def module_expr(name: str, root: str = "model", types: Optional[Mapping[str, str
     ``types`` (qualified name -> class name, e.g. the trace's layers) says what a numeric part indexes:
     ``[1]`` in a Sequential/ModuleList, ``["1"]`` in a ModuleDict (``[1]`` is a KeyError there), and
     ``get_submodule`` under any other parent (``add_module("1", ...)``); without it, ``[1]``."""
-    if ":" in name:  # a second model watched automatically: ``D:net.2`` -> ``d.net[2]`` (your D object)
-        owner, _, name = name.partition(":")
+    owner, name = split_owner(name, types)
+    if owner is not None:  # a second model watched automatically: ``D:net.2`` -> ``d.net[2]`` (your D object)
         root = owner.split("#")[0].lower() or root
     if not name or name == "(root)":
         return root
     parts = name.split(".")
-    if not all(p.isdigit() or _IDENT.match(p) for p in parts):
+    if not all(p.isdigit() or (_IDENT.match(p) and not keyword.iskeyword(p)) for p in parts):
         return f"{root}.get_submodule({name!r})"
     out, prefix = root, ""
     for p in parts:
@@ -39,6 +40,19 @@ def module_expr(name: str, root: str = "model", types: Optional[Mapping[str, str
             out += f".{p}"
         prefix = f"{prefix}.{p}" if prefix else p
     return out
+
+
+def split_owner(name: str, types: Optional[Container[str]] = None) -> tuple[str | None, str]:
+    """``("D", "net.2")`` for a second model's layer ``D:net.2`` (the watch names another model's
+    layers ``Class:name``), ``(None, name)`` for the first model's, whose own names may hold a ``:``
+    (a ModuleDict key ``"task:a"``). With ``types`` (the trace's layers) the prefix is one only where
+    that model's root layer (``D:``) is there."""
+    owner, sep, rest = name.partition(":")
+    if not sep or "." in owner or not owner:
+        return None, name
+    if types is not None and f"{owner}:" not in types:
+        return None, name
+    return owner, rest
 
 
 WRAPPED_NOTE = "-wrapped model: watching .module"  # after the wrapper class: the note ``watch.unwrap_model`` leaves
@@ -100,9 +114,10 @@ def root_hint(names, types: Optional[Mapping[str, str]], wrapper: str | None = N
     names = list(names)
     if wrapper:
         return ""
-    if names and all(":" in n for n in names):
-        owner = names[0].partition(":")[0]
-        if any(n.partition(":")[0] != owner for n in names):
+    owners = [split_owner(n, types)[0] for n in names]
+    if names and all(o is not None for o in owners):
+        owner = owners[0]
+        if any(o != owner for o in owners):
             return ""
         kind = owner.split("#")[0]
         return f" (`{kind.lower()}`: the {kind} model your script called after the first one watched)"

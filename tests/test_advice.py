@@ -542,3 +542,42 @@ def test_fix_of_a_pure_half_model_does_not_turn_autocast_off(tmp_path):
     h = model[0](x)
     y = model[1](h.float()).to(h.dtype)
     assert y.dtype == torch.float16 and model[1].weight.dtype == torch.float32
+
+
+def test_a_scale_that_falls_below_one_and_then_steps_is_not_called_a_layer_fault(tmp_path):
+    """A loss 1e7 times too large: the GradScaler skips down to a scale below 1, and from there the steps
+    go through. Nothing produces Inf; the gradients need a scale below 1. The advice said "overflow at
+    every scale ... fix that layer; changing init_scale will not help"."""
+    scales = [2.0 ** (15 - i) for i in range(22)] + [2.0 ** -7] * 8
+    skipped = [1] * 22 + [0] * 8
+    p = synthetic_trace(tmp_path / "below.sqlite", grad_exps=[(10, 30)], scales=scales, skipped=skipped)
+    rep = build_report(p)
+    h = scaler_health(rep)
+    assert h.state == "below_one"
+    text = "\n".join(rep.advice)
+    assert "changing init_scale will not help" not in text, text
+    assert "only a scale below 1 fits them" in text, text
+
+
+def test_bf16_gradients_far_below_its_range_are_not_said_to_fit(tmp_path):
+    """bf16 has FP32's exponent range, but gradients of a loss scaled down by far (binade 2**-130, below
+    bf16's smallest normal 2**-126) still underflow: the advice said "no loss scaling needed"."""
+    p = synthetic_trace(tmp_path / "tiny.sqlite", grad_exps=[(-130, 50)], scales=[None] * 4, fmt="bf16",
+                        dtype="bfloat16")
+    text = "\n".join(build_report(p).advice)
+    assert "no loss scaling needed" not in text, text
+    assert "Gradients underflow bf16 at scale 1" in text, text
+
+
+def test_fix_snippets_for_names_that_are_keywords_or_hold_a_colon():
+    from ampdoctor.naming import module_expr, root_hint
+
+    types = {"": "Net", "enc": "ModuleDict", "enc.class": "Sequential", "heads": "ModuleDict",
+             "heads.task:a": "Linear", "D:": "D", "D:net": "Sequential", "D:net.2": "Linear"}
+    assert module_expr("enc.class.0", types=types) == "model.get_submodule('enc.class.0')"  # was model.enc.class[0]
+    assert module_expr("heads.task:a", types=types) == "model.get_submodule('heads.task:a')"  # was heads.task.a
+    assert root_hint(["heads.task:a"], types) == " (`model`: your Net object)"
+    assert module_expr("D:net.2", types=types) == "d.net[2]"  # a second model's layer, as before
+    assert "`d`: the D model" in root_hint(["D:net.2"], types)
+    for expr in (module_expr("enc.class.0", types=types), module_expr("heads.task:a", types=types)):
+        compile(expr, "<fix>", "eval")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..naming import wrapper_of
+from ..naming import split_owner, wrapper_of
 from ..trace import TraceReader
 
 
@@ -22,8 +22,8 @@ class Baseline:
 
 def _parent_of(name: str, names: set[str]) -> str | None:
     """The nearest executed ancestor; ``Class:`` prefixes (second models) are roots of their own."""
-    owner, sep, local = name.rpartition(":")
-    owner = owner + sep
+    own, local = split_owner(name, names)
+    owner = "" if own is None else own + ":"
     if local == "":
         return None
     p = local.rpartition(".")[0]

@@ -118,9 +118,17 @@ def loss_scale_advice(report: Report, ls: LossScaleAnalysis | None, ready: bool)
         return []
     fmt = report.fmt
     out = []
-    if fmt.max_exp >= 100 and ls.feasible:
+    if fmt.max_exp >= 100 and ls.feasible and ls.k_lo <= 0 <= ls.k_hi:
         return [f"Gradients fit {fmt.name} at scale 1 ({fmt.name} has FP32's exponent range): no loss scaling needed "
                 f"(largest gradient binade 2**{ls.top_exp}, {ls.values} values over {ls.steps_used} steps)."]
+    if fmt.max_exp >= 100 and ls.feasible and ls.k_lo > 0:
+        # bf16 too: its range is FP32's, but gradients that small still fall below it (a loss scaled down
+        # by far), so scale 1 leaves them subnormal or zero
+        return [f"Gradients underflow {fmt.name} at scale 1: more than {ls.max_underflow_pct:g}% of the recorded "
+                f"gradient values are subnormal or flushed to zero ({ls.values} values over {ls.steps_used} steps, "
+                f"largest binade 2**{ls.top_exp}). Static loss scales from {pow2(ls.k_lo)} to {pow2(ls.k_hi)} keep "
+                f"them in range: multiply the loss by {scale_literal(ls.k_rec)} before backward and divide the "
+                "gradients by it before the optimizer step, or make the loss larger where it is computed."]
     if ls.feasible:
         under = f"{ls.underflow_at_rec:.2g}%" if ls.underflow_at_rec is not None else "?"
         lead = (f"To train in {fmt.name}, use a GradScaler: " if ready else "Loss scale: ")

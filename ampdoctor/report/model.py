@@ -259,7 +259,7 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
         how = {
             "nonfinite_loss": "the loss became non-finite (NaN/Inf)",
             "nonfinite_params": "parameters became non-finite",
-            "scale_collapse": "the GradScaler's scale collapsed (gradients overflow at every scale)",
+            "scale_collapse": "the GradScaler's scale collapsed below 1 (steps skipped all the way down)",
             "skipped_steps": "the GradScaler skipped most steps (persistent gradient overflow)",
             "divergence": "the loss diverged",
         }.get(decision.reason, decision.reason)

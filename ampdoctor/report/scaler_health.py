@@ -21,7 +21,8 @@ HUGE_SCALE = 2.0 ** 32    # a scale this large means the gradients are tiny, or 
 @dataclass
 class ScalerHealth:
     """The GradScaler's record: ``state`` is one of the classes above ("none": no GradScaler ran)."""
-    # none | healthy | startup | occasional | frequent | persistent | collapse | huge | unsettled (every step
+    # none | healthy | startup | occasional | frequent | persistent | collapse | below_one (the scale fell
+    # below 1, and steps were taken from then on: gradients too large for scale 1) | huge | unsettled (every step
     # skipped, the scale still >= 1: start-up backoffs that had not ended, or a failure) | nan (every step
     # skipped, the gradients NaN without Inf: not the scale) | forward (the only skips after start-up had a
     # NaN/Inf loss: the forward broke, the scale did not overflow)
@@ -60,7 +61,10 @@ def scaler_health(report: Report) -> ScalerHealth:
     n_overflow = sum(1 for s, ok in zip(after, loss_ok[startup:]) if s and ok)
     grew = any(b > a for a, b in zip(scales, scales[1:]))
     tail = after[-10:]
-    if min(scales) < 1.0:
+    below = next((i for i, t in enumerate(tl) if t.get("scale") and float(t["scale"]) < 1.0), None)
+    if below is not None and any(not sk and ok for sk, ok in zip(skipped[below:], loss_ok[below:])):
+        state = "below_one"  # the scale fell below 1 and then steps were taken: gradients too large for scale 1
+    elif min(scales) < 1.0:
         state = "collapse"
     elif never_stepped(tl) and len(tl) >= NAN_SKIPS and nan_without_inf(report.layers):
         state = "nan"
@@ -98,6 +102,12 @@ def scaler_advice(report: Report, h: ScalerHealth, ls: LossScaleAnalysis | None)
     forward = (f" The loss itself was NaN/Inf in {h.nonfinite_loss_skips} of the skipped steps: the forward pass "
                "produces it (see the first non-finite producer), which no loss scale fixes."
                if h.nonfinite_loss_skips else "")
+    if h.state == "below_one":
+        return [f"{base}; its scale fell from {lg(h.first_scale)} to {lg(h.min_scale)} before steps were taken again: "
+                f"the unscaled gradients are larger than {report.fmt.name} holds at scale 1, and only a scale below 1 "
+                "fits them (nothing produced Inf/NaN: the steps after went through). Make the loss smaller where it "
+                "is computed (a sum over many elements, a large weight on a loss term), or start the GradScaler "
+                "below 1 (see the loss-scale range) so the first steps are not skipped." + forward]
     if h.state == "collapse":
         return [f"{base}; its scale collapsed from {lg(h.first_scale)} to {lg(h.min_scale)} (below 1): gradients "
                 "overflow at every scale, so the Inf/NaN comes from a layer that produces it, not from the loss scale. "
