@@ -45,12 +45,12 @@ def module_expr(name: str, root: str = "model", types: Optional[Mapping[str, str
 def split_owner(name: str, types: Optional[Container[str]] = None) -> tuple[str | None, str]:
     """``("D", "net.2")`` for a second model's layer ``D:net.2`` (the watch names another model's
     layers ``Class:name``), ``(None, name)`` for the first model's, whose own names may hold a ``:``
-    (a ModuleDict key ``"task:a"``). With ``types`` (the trace's layers) the prefix is one only where
-    that model's root layer (``D:``) is there."""
+    (a ModuleDict key ``"task:a"``). With ``types`` (the trace's layers), a name the trace holds is the
+    first model's unless that other model's root layer (``D:``) is there too."""
     owner, sep, rest = name.partition(":")
     if not sep or "." in owner or not owner:
         return None, name
-    if types is not None and f"{owner}:" not in types:
+    if types is not None and name in types and f"{owner}:" not in types:
         return None, name
     return owner, rest
 
