@@ -204,7 +204,8 @@ def _write_probe(session: Session, probe: Any) -> None:
                                          k: v for k, v in d.items() if k != "layer"})
         for name, (absmax, step) in probe.inputs_beyond.items():
             session.writer.add_event(step, "probe_input", probe.prefix + name,
-                                     absmax=absmax if math.isfinite(absmax) else None)
+                                     absmax=absmax if math.isfinite(absmax) else None,
+                                     first_step=probe.inputs_first.get(name, step))
         session.writer.add_event(None, "probe", None, ops_seen=probe.ops_seen, findings=len(probe.findings))
     except Exception as e:  # the drill-down must never lose the trace
         log.warning("ampdoctor: op probe failed: %s", e)

@@ -311,3 +311,16 @@ def test_a_gradient_that_came_in_nonfinite_is_not_made_by_the_layer():
     bwd = [f for f in probe.findings if f.phase == "backward"]
     assert bwd and all(f.nonfinite and f.passthrough for f in bwd), probe.findings
     assert probe.first is bwd[0]  # (nothing else to name; the bisect summary says it came in)
+
+
+def test_the_probe_keeps_the_first_step_an_input_came_in_too_large():
+    """The bisect cause line gave the step of the largest input only (step 14 where it began at 10)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    with OpProbe(model, ["0"]) as probe:
+        for step, scale in enumerate((1.0, 1e5, 3e5, 2e5)):
+            probe.step = step
+            with torch.no_grad():
+                model(torch.full((2, 4), scale))
+    assert probe.inputs_first == {"0": 1}
+    assert probe.inputs_beyond["0"] == (3e5, 2)

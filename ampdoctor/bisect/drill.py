@@ -225,6 +225,7 @@ class OpProbe:
         # probed module -> (abs-max, step) of its floating inputs, where one already held a value beyond
         # the format's max, or a NaN/Inf, when the module was called (the values grew before it)
         self.inputs_beyond: dict[str, tuple[float, Optional[int]]] = {}
+        self.inputs_first: dict[str, Optional[int]] = {}  # probed module -> the first step its input was so
         self._handles: list[Any] = []
         self._cells: dict[int, list] = {}  # id of an op output -> its grad hook's "is a module output" cell
         self._local = threading.local()  # .stack: probed modules running, .mode: the active mode
@@ -303,8 +304,10 @@ class OpProbe:
         if seen is not None and math.isinf(seen[0]):
             return
         worst = max((m for x in _tensors(args) if (m := _beyond(x, self.fmt.max)) is not None), default=None)
-        if worst is not None and (seen is None or worst > seen[0]):
-            self.inputs_beyond[name] = (worst, self.step)
+        if worst is not None:
+            self.inputs_first.setdefault(name, self.step)
+            if seen is None or worst > seen[0]:
+                self.inputs_beyond[name] = (worst, self.step)
 
     def _post_hook(self) -> Callable:
         def hook(module: nn.Module, args: tuple, output: Any) -> None:

@@ -93,8 +93,11 @@ def _came_in_too_large(trace: Path, culprits: Sequence[str], fmt: str) -> list[s
             continue
         absmax = e["detail"].get("absmax")
         held = f"abs-max {_fmt(absmax)}" if absmax is not None else "NaN/Inf"
-        out.append(f"{CAME_IN}{c or 'the model'} was already beyond {fmt}'s max when it was called ({held}, step "
-                   f"{e['step']}): the values grow before it, in the code that feeds it. Keeping it in FP32 works "
+        first = e["detail"].get("first_step")
+        since = f", step {e['step']}" if first is None or first == e["step"] else \
+            f" at step {e['step']}; beyond it from step {first}"
+        out.append(f"{CAME_IN}{c or 'the model'} was already beyond {fmt}'s max when it was called ({held}{since}): "
+                   "the values grow before it, in the code that feeds it. Keeping it in FP32 works "
                    "around that; scaling or normalising its input where it is computed removes the cause.")
     return out
 
