@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import logging
 import os
 import shutil
@@ -311,7 +310,6 @@ def report(path, json_path, html_path, csv_path, rank, sort, top, only_bad, matc
 
     log = logging.getLogger("ampdoctor.report")
     log.info("ampdoctor: reading %s", path)
-    _check_bisect_json(Path(path))
     try:
         rep = build_report(path, rank=rank)
     except FileNotFoundError as e:
@@ -324,22 +322,6 @@ def report(path, json_path, html_path, csv_path, rank, sort, top, only_bad, matc
     _print_report(rep, sort, top, only_bad, match, kinds)
     if not _write_outputs(rep, json_path, html_path, csv_path, None):
         sys.exit(1)
-
-
-def _check_bisect_json(folder: Path) -> None:
-    """A run folder's ``bisect.json`` that is JSON but not a bisect result (not an object with a
-    verdict) is an error that says so, not an AttributeError deep in the advice. Unreadable or
-    invalid JSON is the report's to note."""
-    result = folder / "bisect.json"
-    if not folder.is_dir() or not result.is_file():
-        return
-    try:
-        data = json.loads(result.read_text())
-    except (OSError, ValueError):
-        return
-    if not isinstance(data, dict) or "verdict" not in data:
-        raise click.ClickException(f"{result} is not a bisect result (a JSON object with a verdict, as "
-                                   "`ampdoctor bisect` writes it): move it away to see the trace's report")
 
 
 def _trials_hint(folder: Path, message: str) -> str:

@@ -151,10 +151,9 @@ def _discard_old_trace(path: Path) -> None:
     if not path.exists():
         return
     if path.stat().st_size:
-        problem = trace_problem(path)
-        if problem:
-            raise ValueError(f"{problem}; pass another trace path")
-        meta = trace_meta(path) or {}
+        meta = trace_meta(path) if path.is_file() else None  # (opened once: trace_problem's test, inline)
+        if meta is None:
+            raise ValueError(f"{trace_problem(path) or path}; pass another trace path")
         try:
             pid = int(meta.get("pid") or 0)
         except ValueError:

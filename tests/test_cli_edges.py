@@ -132,18 +132,16 @@ def test_a_notebook_is_a_usage_error(tmp_path, no_run, command):
 
 
 def test_report_of_a_bisect_json_that_is_not_a_result(tmp_path):
+    """A bisect.json that is JSON but no bisect result (`[1]`) raised an AttributeError in the advice: the
+    report leaves it out, with a note, and shows the trace."""
     synthetic_trace(tmp_path / "trace.sqlite", grad_exps=[(0, 4)], scales=[1024.0, 1024.0])
     (tmp_path / "bisect.json").write_text("[1]")
     r = _cli("report", tmp_path)
-    assert r.exit_code == 1 and not isinstance(r.exception, AttributeError), (r.output, r.exception)
-    assert "bisect.json is not a bisect result" in r.output, r.output
-    # the advice itself takes a non-object as no bisect result (the Python API builds it too)
+    assert r.exit_code == 0 and r.exception is None and "Diagnosis" in r.output, (r.output, r.exception)
     from ampdoctor.report import build_report
-    from ampdoctor.report.culprit import attention_advice, culprit_advice
 
-    rep = build_report(tmp_path / "trace.sqlite")
-    rep.bisect = [1]
-    assert culprit_advice(rep) == [] and attention_advice(rep) == []
+    rep = build_report(tmp_path)  # (the terminal wraps the note's path at its width: read it here)
+    assert rep.bisect is None and any("bisect.json is not a bisect result" in n for n in rep.notes), rep.notes
 
 
 def test_report_of_an_interrupted_bisect_folder_points_at_its_trials(tmp_path):

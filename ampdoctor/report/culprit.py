@@ -17,15 +17,10 @@ CAME_IN = "The input of "
 MATMUL_OPS = ("matmul", "bmm", "baddbmm", "mm", "addmm", "linear", "einsum", "scaled_dot_product_attention")
 
 
-def _bisect(report: Report) -> dict:
-    """The bisect result beside the trace, or {} (none, or a ``bisect.json`` that is not a JSON object)."""
-    return report.bisect if isinstance(report.bisect, dict) else {}
-
-
 def culprits(report: Report) -> tuple[list[str], str]:
     """The layers to keep in FP32 and where that came from: bisect's verified culprits, else the
     first producer of a non-finite value (when it produced it from finite inputs)."""
-    b = _bisect(report)
+    b = (report.bisect or {})
     if b.get("verdict") == "culprit" and b.get("culprits"):
         return list(b["culprits"]), "bisect"
     if b.get("verdict") in ("not_precision", "healthy"):
@@ -96,7 +91,7 @@ def culprit_advice(report: Report) -> list[str]:
             return [f"The input of {fn.get('layer') or '(root)'} was already non-finite at step {fn.get('step')}: "
                     "check the data and the code outside the watched model; forcing FP32 will not help."]
         if fn.get("layer") is not None and not fn.get("input_nonfinite") and _all_fp32(report) \
-                and _bisect(report).get("verdict") not in ("not_precision", "healthy"):
+                and (report.bisect or {}).get("verdict") not in ("not_precision", "healthy"):
             what = {"activation": "output", "gradient": "gradient", "weight_grad": "weight gradient"}.get(
                 fn.get("kind"), fn.get("kind"))
             return [f"The first non-finite value ({fn.get('layer') or '(root)'}'s {what} at step {fn.get('step')}) was "
@@ -122,7 +117,7 @@ def culprit_advice(report: Report) -> list[str]:
                      "really fixes training, or finds that FP32 breaks too)")
         lines += _nan_not_overflow(report, names[0])
     else:  # what bisect's drill-down saw of the culprits' inputs (bisect.json's advice)
-        lines += [a for a in _bisect(report).get("advice") or [] if isinstance(a, str) and a.startswith(CAME_IN)]
+        lines += [a for a in (report.bisect or {}).get("advice") or [] if isinstance(a, str) and a.startswith(CAME_IN)]
     return lines
 
 
@@ -142,7 +137,7 @@ def _nan_not_overflow(report: Report, layer: str) -> list[str]:
 
 def attention_advice(report: Report) -> list[str]:
     """Bisect's first overflowing forward matmul, when it feeds a softmax: how to scale attention scores."""
-    b = _bisect(report)
+    b = (report.bisect or {})
     ops = [o for o in (b.get("ops") or []) if isinstance(o, dict)]
     names = [str(o.get("op", "")).lower().rsplit(".", 1)[-1] for o in ops]
     matmuls = [o for o, n in zip(ops, names) if any(n.startswith(m) for m in MATMUL_OPS)

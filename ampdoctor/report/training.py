@@ -18,7 +18,7 @@ def divergence_advice(report: Report) -> list[str]:
     Only the losses of steps before the break count: after it the loss (and the scale) restarting from
     skipped steps says nothing about how training went."""
     d = report.diagnosis
-    b = report.bisect if isinstance(report.bisect, dict) else {}
+    b = report.bisect or {}
     out = []
     if b.get("verdict") == "not_precision":
         out.append("bisect: training breaks with every layer in FP32 too, so this is not a precision problem: "
