@@ -352,6 +352,17 @@ def test_bisect_through_torchrun_nccl(tmp_path):
     assert res["first_nonfinite"]["layer"] == "2", res
 
 
+@pytest.mark.cuda
+def test_bisect_through_torchrun_ddp_on_one_gpu(tmp_path):
+    """DDP on CUDA tensors with a machine of one GPU: two ranks share it over gloo (NCCL refuses two
+    ranks on one GPU), so the recorder's CUDA path runs under DDP even where two GPUs are not lent."""
+    p = bisect("--out", tmp_path / "b", "--json", tmp_path / "r.json", "--nproc-per-node", "2", SCRIPTS / "ddp_overflow.py",
+               DDP_DEVICE="cuda", DDP_BACKEND="gloo")
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["verdict"] == "culprit" and res["culprits"] == ["2"], p.stdout + p.stderr
+    assert res["first_nonfinite"]["layer"] == "2", res
+
+
 def test_jobs_and_repeat(tmp_path):
     p = bisect("--out", tmp_path / "j", "--json", tmp_path / "j.json", "--jobs", "2", "--repeat", "2",
                FIXTURES / "linear_overflow.py")

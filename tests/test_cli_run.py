@@ -202,14 +202,19 @@ def test_run_measures_a_bf16_script_against_bf16(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda),
+                                    pytest.param("cuda-gloo", marks=pytest.mark.cuda)])
 def test_run_under_torchrun_one_trace_per_rank(tmp_path, device):
+    """``cuda``: one GPU per rank over NCCL (needs 2 GPUs); ``cuda-gloo``: both ranks on the GPUs there
+    are, over gloo (NCCL refuses two ranks on one GPU)."""
     if device == "cuda":
         import torch
         if torch.cuda.device_count() < 2:
             pytest.skip("needs 2 GPUs (DDP with NCCL, one GPU per rank)")
     out = tmp_path / "ddp"
-    env_steps = dict(os.environ, STEPS="12", DDP_DEVICE=device)
+    env_steps = dict(os.environ, STEPS="12", DDP_DEVICE=device.split("-")[0])
+    if device == "cuda-gloo":
+        env_steps["DDP_BACKEND"] = "gloo"
     p = subprocess.run([sys.executable, "-m", "ampdoctor", "run", "--out", str(out), "--nproc-per-node", "2",
                         str(SCRIPTS / "ddp_overflow.py")], capture_output=True, text=True, cwd=ROOT, env=env_steps,
                        timeout=300)

@@ -34,6 +34,67 @@ def _parent_of(name: str, names: set[str]) -> str | None:
     return owner if owner in names else None
 
 
+def _ancestors(name: str, parent: dict[str, str | None]) -> set[str]:
+    out, p = set(), parent.get(name)
+    while p is not None and p not in out:
+        out.add(p)
+        p = parent.get(p)
+    return out
+
+
+_UNKNOWN = object()
+
+
+def _recorded_producer(event: dict, at: dict[str, set], parent: dict[str, str | None]) -> object:
+    """The module that made the NaN/Inf at the forward ``first_nonfinite`` event's step, where the
+    event says that no other module did (None: the data did), else ``_UNKNOWN``. The event counts the
+    calls whose output went non-finite while their inputs were finite (``producers``): the layer it
+    names and those of its ancestors non-finite then (whose output holds its NaN) must be all of them."""
+    d = event["detail"]
+    if d.get("input_nonfinite"):
+        return None if d.get("producers") == 0 else _UNKNOWN
+    name = event["layer"]
+    if name not in at:
+        return _UNKNOWN
+    explained = {name} | (_ancestors(name, parent) & set(at))
+    return name if d.get("producers") == sum(len(at[n]) for n in explained) else _UNKNOWN
+
+
+def _passed_along(acts: list[dict], by_id: dict, order: list[str], parent: dict[str, str | None],
+                  event: dict | None) -> dict[str, int]:
+    """The layers whose output went NaN/Inf, at the first step where it did, only because a module
+    run before them, or inside them, or the data had made it, with that step: from there on their
+    NaN/Inf is not theirs, and by its counts they outrank the layer that made it.
+
+    At the step of the forward ``first_nonfinite`` event (``event``) the trace says who made it (see
+    :func:`_recorded_producer`); where it cannot tell, no layer non-finite from that step on is
+    counted as passing it along. At any later step no producer is recorded (one forward event per
+    run): the innermost of the first modules run whose output went non-finite stands for it, as the
+    attribution picks, and a layer run after it may be passing its NaN along (or be an independent
+    producer, which the search still finds: a hint is only a first guess)."""
+    bad: dict[int, dict[str, set]] = {}  # step -> layer -> the calls whose output held NaN/Inf
+    for s in acts:
+        lay = by_id.get(s["layer"])
+        if lay is not None and lay["name"] in parent and (s["nan"] or s["posinf"] or s["neginf"]):
+            bad.setdefault(s["step"], {}).setdefault(lay["name"], set()).add(s["call"] or 0)
+    rank = {n: i for i, n in enumerate(order)}
+    anc = {n: _ancestors(n, parent) for n in {n for at in bad.values() for n in at}}
+    along: dict[str, int] = {}
+    seen: set[str] = set()  # non-finite at an earlier step: judged there
+    for step in sorted(bad):
+        at = bad[step]
+        names = sorted(at, key=rank.get)
+        if event is not None and step == event["step"]:
+            producer = _recorded_producer(event, at, parent)
+        else:  # the first one run that has no non-finite module inside it
+            holders = set().union(*(anc[n] for n in names))
+            producer = next(n for n in names if n not in holders)
+        if producer is not _UNKNOWN:  # the others (its ancestors too) hold its NaN, or the data's
+            along.update((n, step) for n in names if n not in seen and n != producer)
+        seen.update(at)
+    return along
+
+
 def read_baseline(trace: str | Path, failure_step: int | None = None, reason: str | None = None) -> Baseline:
     """What the baseline trace says; ``failure_step``/``reason``: the baseline's failure, which picks
     the first non-finite event of a run whose only events are GradScaler-scaled gradients (as the
@@ -49,20 +110,25 @@ def read_baseline(trace: str | Path, failure_step: int | None = None, reason: st
         wrapper = wrapper_of(e["detail"].get("message", "") for e in r.events("note") if e["layer"] is None)
     layers.sort(key=lambda lay: lay["ord"])
     names = [lay["name"] for lay in layers]
-    overflow: dict[str, float] = {}
-    for s in acts:
-        lay = by_id.get(s["layer"])
-        if lay is None:
-            continue
-        n = lay["name"]
-        overflow[n] = overflow.get(n, 0) + s["overflow"] + s["posinf"] + s["neginf"] + s["nan"]
     # Every module that ran is a candidate: one with half-precision inputs may compute in fp16 and
     # still return fp32 (an fp32 parameter promotes the result), so output dtypes cannot rule it out.
     cands = list(names)
     cset = set(cands)
     parent = {n: _parent_of(n, cset) for n in cands}
+    fwd_all = [e for e in events if e["detail"].get("kind") == "activation"]
+    fwd = [e for e in fwd_all if not e["detail"].get("input_nonfinite")]
+    # the worst layers: by their NaN/Inf counts those that pass a NaN along (a LayerNorm after an
+    # overflowing Linear, everything after it) outrank the one that made it, so what they hold from
+    # the step they began to pass it along does not count
+    along = _passed_along(acts, by_id, cands, parent, fwd_all[0] if fwd_all else None)
+    overflow: dict[str, float] = {}
+    for s in acts:
+        lay = by_id.get(s["layer"])
+        if lay is None or s["step"] >= along.get(lay["name"], s["step"] + 1):
+            continue
+        n = lay["name"]
+        overflow[n] = overflow.get(n, 0) + s["overflow"] + s["posinf"] + s["neginf"] + s["nan"]
     hints: list[str] = []
-    fwd = [e for e in events if e["detail"].get("kind") == "activation" and not e["detail"].get("input_nonfinite")]
     for e in fwd[:1]:
         if e["layer"] in cset:
             hints.append(e["layer"])

@@ -9,16 +9,18 @@ the numerical failure it reports.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 from ..config import RunConfig
 from ..launch import RESULT_PATTERN
@@ -96,19 +98,20 @@ class TrialRunner:
             env["CUDA_VISIBLE_DEVICES"] = str(gpu)
         stdout = open(folder / "stdout.txt", "w")
         stderr = open(folder / "stderr.txt", "w")
+        cmd = [self.python, "-m", "ampdoctor._trial", self.script, *self.args]
+        if self.nproc > 1:
+            from ..launch import torchrun_command
+            cmd = torchrun_command(self.nproc, self.script, self.args, self.python)
         t0 = time.monotonic()
-        if self.fork and gpu is None:
-            proc = _fork_trial(self.script, self.args, env, stdout, stderr)
-        else:
-            cmd = [self.python, "-m", "ampdoctor._trial", self.script, *self.args]
-            if self.nproc > 1:
-                from ..launch import torchrun_command
-                cmd = torchrun_command(self.nproc, self.script, self.args, self.python)
-            proc = subprocess.Popen(cmd,
-                                    stdout=stdout, stderr=stderr, env=env, cwd=os.getcwd(), start_new_session=True)
-        handle = {"proc": proc, "t0": t0, "folder": folder, "fp32": list(fp32), "name": name, "index": index,
-                  "files": (stdout, stderr)}
-        self._running = getattr(self, "_running", []) + [handle]
+        with _interrupts_held():  # a trial that exists is registered before an interrupt can end bisect
+            if self.fork and gpu is None:
+                proc = _fork_trial(self.script, self.args, env, stdout, stderr)
+            else:
+                proc = subprocess.Popen(cmd,
+                                        stdout=stdout, stderr=stderr, env=env, cwd=os.getcwd(), start_new_session=True)
+            handle = {"proc": proc, "t0": t0, "folder": folder, "fp32": list(fp32), "name": name, "index": index,
+                      "files": (stdout, stderr)}
+            self._running = getattr(self, "_running", []) + [handle]
         return handle
 
     def wait(self, handle: dict) -> Trial:
@@ -336,6 +339,46 @@ def _fork_trial(script: str, args: list[str], env: dict, stdout: Any, stderr: An
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+@contextlib.contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """Ctrl-C and SIGTERM (the bisect CLI raises it as an interrupt) that arrive inside wait until the
+    block ends, then act as they would have. Starting a trial inside it, an interrupt cannot end bisect
+    between the child's creation (inside Popen or the fork) and its registration among the running
+    trials, which :meth:`TrialRunner.stop_all` ends: else the trial, in a session of its own that the
+    terminal's Ctrl-C does not reach, outlives bisect. Only Python-level handlers are held (the main
+    thread's; elsewhere no interrupt is raised). Blocking the signals (``pthread_sigmask``) would not
+    do: the children would inherit the mask, and another thread may take the signal."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held: list[tuple[int, Any]] = []
+    state = {"open": True}
+    previous: dict[int, Any] = {}
+
+    def hold(signum: int, frame: Any) -> None:
+        if state["open"]:
+            held.append((signum, frame))
+        else:  # (left in place when an interrupt cut the restoring short: the handler it stands for)
+            previous[signum](signum, frame)
+
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            handler = signal.getsignal(sig)
+            if callable(handler):  # (SIG_DFL, SIG_IGN or a handler not set from Python: none to hold)
+                previous[sig] = handler
+                signal.signal(sig, hold)
+        yield
+    finally:
+        state["open"] = False  # from here on ``hold`` passes a signal on: none is lost
+        try:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        finally:
+            if held:
+                signum, frame = held[0]
+                previous[signum](signum, frame)
 
 
 def _kill_group(proc: Any) -> None:

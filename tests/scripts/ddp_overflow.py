@@ -1,5 +1,6 @@
 """A DDP script launched by torchrun: one Linear overflows fp16 around step 8. On the CPU with gloo;
-with ``DDP_DEVICE=cuda``, one GPU per rank with NCCL."""
+with ``DDP_DEVICE=cuda``, one GPU per rank with NCCL; with ``DDP_DEVICE=cuda DDP_BACKEND=gloo`` as well,
+the ranks share the GPUs there are (gloo, unlike NCCL, lets two ranks use one GPU)."""
 import os
 
 import torch
@@ -10,10 +11,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 def main():
     device = os.environ.get("DDP_DEVICE", "cpu")
-    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    dist.init_process_group(os.environ.get("DDP_BACKEND") or ("nccl" if device == "cuda" else "gloo"))
     rank = dist.get_rank()
     if device == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.LayerNorm(32), nn.Linear(32, 1))
     with torch.no_grad():
