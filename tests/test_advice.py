@@ -96,6 +96,9 @@ def test_unscaling_uses_the_scale_of_the_step_before(tmp_path):
     ([2.0 ** (16 - i) for i in range(30)], [1] * 30, "collapse"),
     ([2.0 ** 16] * 10 + [2.0 ** 15] * 20, [0] * 10 + [0 if i % 3 == 2 else 1 for i in range(20)], "persistent"),
     ([2.0 ** (16 + i) for i in range(30)], [0] * 30, "huge"),
+    # GradScaler(init_scale=2**40): 22 start-up backoffs down to 2**18, then steps; it never grew, so it
+    # is not "grew to 2**39" (an HF audit's BERT run)
+    ([2.0 ** (39 - i) for i in range(22)] + [2.0 ** 18] * 18, [1] * 22 + [0] * 18, "startup"),
 ])
 def test_scaler_health(tmp_path, scales, skipped, state):
     p = synthetic_trace(tmp_path / "t.sqlite", grad_exps=[(-4, 10)], scales=scales, skipped=skipped)

@@ -72,8 +72,8 @@ def scaler_health(report: Report) -> ScalerHealth:
         state = "unsettled"
     elif len(tail) >= 5 and sum(tail) > len(tail) / 2:
         state = "persistent"
-    elif max(scales) >= HUGE_SCALE:
-        state = "huge"
+    elif grew and max(scales[1:]) >= HUGE_SCALE and max(scales[1:]) > scales[0]:
+        state = "huge"  # (it grew there: a huge init_scale that only fell is start-up backoffs, not tiny gradients)
     elif n_overflow > max(2, 0.05 * len(after)):
         # skipped again and again: into a scale that grew back, or (too few steps for the tail's rule) while it
         # only fell
