@@ -59,6 +59,9 @@ __all__ = ["Fp32Handle", "Fp32Group", "keep_fp32", "force_fp32", "resolve_module
 logger = logging.getLogger(__name__)
 
 _LOW_PRECISION = {torch.float16, torch.bfloat16}
+# parameters and buffers a kept module made float32 -> their dtype before (a tied weight shared by two kept
+# modules is upcast by the first; the second learns from here what its outputs go back to)
+_UPCAST_FROM: dict[int, tuple[Any, torch.dtype]] = {}  # id -> (weak reference, dtype)
 for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
     if hasattr(torch, _name):
         _LOW_PRECISION.add(getattr(torch, _name))
@@ -321,7 +324,11 @@ class Fp32Handle:
     def _upcast_params(self, module: nn.Module) -> None:
         for t in (*module.parameters(), *module.buffers()):
             if t.dtype not in _LOW_PRECISION:
+                hit = _UPCAST_FROM.get(id(t)) if t.dtype == torch.float32 and id(t) not in self._upcast else None
+                if hit is not None and hit[0]() is t:  # (shared with another kept module, which upcast it)
+                    self._upcast[id(t)] = (t, hit[1])
                 continue
+            _UPCAST_FROM[id(t)] = (weakref.ref(t, lambda _, k=id(t): _UPCAST_FROM.pop(k, None)), t.dtype)
             # the dtype to restore is the latest one seen: a model cast since (.bfloat16() after
             # keep_fp32 on a .half() model) goes back to what the user cast it to
             self._upcast[id(t)] = (t, t.dtype)
@@ -454,11 +461,34 @@ def resolve_modules(model: nn.Module, names: Iterable[str], *, what: str = "forc
     return out
 
 
+def _tied_partners(model: nn.Module, resolved: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    """Modules outside ``resolved`` that own a half/bf16 parameter of a module in it (tied weights: a
+    GPT-2's ``wte`` and ``lm_head``). Forcing one of them to FP32 makes the shared parameter float32
+    for both, and the other one's forward then fails on the dtype mismatch, so they are forced too."""
+    inside: set[int] = set()
+    shared: set[int] = set()
+    for _, m in resolved:
+        for sub in m.modules():
+            inside.add(id(sub))
+        shared.update(id(p) for p in m.parameters() if p.dtype in _LOW_PRECISION)
+    if not shared:
+        return []
+    out = []
+    for name, m in model.named_modules():
+        if id(m) in inside:
+            continue
+        if any(id(p) in shared for p in m.parameters(recurse=False)):
+            out.append((name, m))
+            inside.update(id(sub) for sub in m.modules())
+    return out
+
+
 def force_fp32(model: nn.Module, names: Iterable[str]) -> Fp32Group:
     """Force the modules of ``model`` named ``names`` (qualified names from
     ``model.named_modules()``) to FP32, as a bisect trial does. Unknown names raise
     ``ValueError`` before anything is changed."""
     resolved = resolve_modules(model, names)
+    resolved += _tied_partners(model, resolved)
     handles: list[Fp32Handle] = []
     seen: set[int] = set()
     try:

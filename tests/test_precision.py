@@ -379,3 +379,34 @@ def test_autocast_guard_goes_with_the_last_handle_and_with_garbage_copies():
     del twin
     gc.collect()
     assert _Fp32Region.handles == held
+
+
+def test_force_fp32_of_one_tied_module_forces_its_partner_in_a_half_model():
+    """A pure .half() model with tied input/output embeddings (GPT-2's wte/lm_head): forcing one of
+    them made the shared weight float32 for both, and the other's forward failed on the dtype (an HF
+    audit's bisect errored on 99 of 148 trials). The module owning the other end of the tie is forced too."""
+    from ampdoctor.precision import force_fp32
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.wte = nn.Embedding(16, 8)
+            self.mid = nn.Linear(8, 8)
+            self.lm_head = nn.Linear(8, 16, bias=False)
+            self.lm_head.weight = self.wte.weight
+
+        def forward(self, ids):
+            return self.lm_head(torch.relu(self.mid(self.wte(ids))))
+
+    ids = torch.randint(0, 16, (2, 5))
+    for name in ("lm_head", "wte"):
+        m = Tied().half()
+        with force_fp32(m, [name]) as g:
+            out = m(ids)
+            out.float().sum().backward()
+            assert sorted(g.names) == ["lm_head", "wte"]
+            assert out.dtype == torch.float16 and m.mid.weight.dtype == torch.float16
+        assert m.wte.weight.dtype == torch.float16 and m.wte.weight is m.lm_head.weight
+    m = Tied().half()  # an untied module forces nothing more
+    with force_fp32(m, ["mid"]) as g:
+        assert g.names == ["mid"] and m.wte.weight.dtype == torch.float16
