@@ -8,6 +8,7 @@ readable. Histograms are stored as little-endian int64 blobs.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import json
 import logging
@@ -18,7 +19,7 @@ import threading
 import urllib.parse
 import weakref
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -556,4 +557,149 @@ class TraceReader:
                 d["hist"] = hist_from_blob(d["hist"])
             rows.append(d)
         return rows
+
+    # -- aggregated and streamed reads (the report of a large trace: no Python object per row) -------
+    @contextlib.contextmanager
+    def snapshot(self) -> Iterator[TraceReader]:
+        """One read transaction around the reads made inside: they all see the trace as the first of
+        them found it, while a live run goes on committing steps (nothing more inside another one)."""
+        if self._con.in_transaction:
+            yield self
+            return
+        self._con.execute("BEGIN")
+        try:
+            yield self
+        finally:
+            self._con.execute("COMMIT")
+
+    def _tuples(self, sql: str, args: Sequence = ()) -> sqlite3.Cursor:
+        cur = self._con.cursor()
+        cur.row_factory = None  # plain tuples: no Row object per row
+        return cur.execute(sql, tuple(args))
+
+    def stat_groups(self) -> list[dict]:
+        """The stats rows totalled in SQL per ``(layer, kind, dtype)``, one dict per group: ``rows``;
+        the sums of ``numel``, ``overflow``, ``subnormal``, ``flush_to_zero``, ``nan``, ``posinf``,
+        ``neginf`` and ``bytes``; ``absmax``, the largest absmax (NULL, a NaN, read as 0.0);
+        ``first_bad``, the first step of a row with NaN, Inf or overflow (None: no such row);
+        ``first_step``; ``steps``, how many distinct steps; ``min_call``/``max_call``, and
+        ``null_calls``, rows without a call index. In no particular order."""
+        cols = ("layer", "kind", "dtype", "rows", "numel", "overflow", "subnormal", "flush_to_zero", "nan", "posinf",
+                "neginf", "bytes", "absmax", "first_bad", "first_step", "steps", "min_call", "max_call", "null_calls")
+        # NOT INDEXED: a scan and a sort; the (layer, kind) index would read the table in random order
+        sql = ("SELECT layer, kind, dtype, COUNT(*), SUM(numel), SUM(overflow), SUM(subnormal), SUM(flush_to_zero), "
+               "SUM(nan), SUM(posinf), SUM(neginf), SUM(bytes), MAX(COALESCE(absmax, 0.0)), "
+               "MIN(CASE WHEN nan OR posinf OR neginf OR overflow THEN step END), MIN(step), COUNT(DISTINCT step), "
+               "MIN(call), MAX(call), SUM(call IS NULL) FROM stats NOT INDEXED GROUP BY layer, kind, dtype")
+        return [dict(zip(cols, r)) for r in self._tuples(sql)]
+
+    def step_count(self, layer: int, kind: str) -> int:
+        """How many distinct steps have rows of ``layer`` and ``kind``."""
+        return self._tuples("SELECT COUNT(DISTINCT step) FROM stats WHERE layer IS ? AND kind IS ?",
+                            (layer, kind)).fetchone()[0]
+
+    def calls_per_step(self, layer: int, kind: str) -> int:
+        """The most distinct ``call`` indices (a missing one counting as one more) among the rows of
+        ``layer`` and ``kind`` of one step (0 when there is no such row)."""
+        sql = ("SELECT MAX(n) FROM (SELECT COUNT(DISTINCT call) + MAX(call IS NULL) AS n FROM stats "
+               "WHERE layer IS ? AND kind IS ? GROUP BY step)")
+        return self._tuples(sql, (layer, kind)).fetchone()[0] or 0
+
+    def first_rowid(self, layer: int, kind: str, step: int, dtype: Any = ...) -> int | None:
+        """The first row (``rowid``) of ``layer`` and ``kind`` at ``step``, of ``dtype`` when given:
+        with the step, where those rows first come in the ``ORDER BY step, rowid`` of :meth:`stats`."""
+        sql, args = "SELECT MIN(rowid) FROM stats WHERE layer IS ? AND kind IS ? AND step IS ?", [layer, kind, step]
+        if dtype is not ...:
+            sql += " AND dtype IS ?"
+            args.append(dtype)
+        return self._tuples(sql, args).fetchone()[0]
+
+    def nonfinite_steps(self, kinds: Sequence[str]) -> set[int]:
+        """Steps with a row of one of ``kinds`` that holds NaN or Inf."""
+        sql = f"SELECT DISTINCT step FROM stats WHERE kind IN ({', '.join('?' * len(kinds))}) AND (nan OR posinf OR neginf)"
+        return {r[0] for r in self._tuples(sql, kinds)}
+
+    def step_cells(self, kind: str) -> dict[str, np.ndarray]:
+        """The rows of ``kind`` totalled in SQL per ``(layer, step)``, as numpy columns: ``layer``,
+        ``step``; ``absmax``, the largest (NULL, a NaN, read as 0.0); ``bad``, a row held NaN or Inf;
+        ``numel`` and ``under`` (subnormal plus flushed values), summed (as float64)."""
+        sql = ("SELECT layer, step, MAX(COALESCE(absmax, 0.0)), MAX(COALESCE(nan OR posinf OR neginf, 0)), "
+               "SUM(numel), SUM(subnormal + flush_to_zero) FROM stats NOT INDEXED WHERE kind = ? GROUP BY layer, step")
+        cur = self._tuples(sql, (kind,))
+        parts: list[np.ndarray] = []
+        while True:  # in chunks: numpy columns, not a tuple per cell, in memory
+            rows = cur.fetchmany(1 << 14)
+            if not rows:
+                break
+            parts.append(np.array(rows, dtype=np.float64).reshape(len(rows), 6))
+        cells = np.concatenate(parts) if parts else np.zeros((0, 6))
+        return {"layer": cells[:, 0].astype(np.int64), "step": cells[:, 1].astype(np.int64), "absmax": cells[:, 2],
+                "bad": cells[:, 3] != 0, "numel": cells[:, 4], "under": cells[:, 5]}
+
+    def hist_sums(self, n_bins: int, kinds: Sequence[str] | None = None, *,
+                  chunk_rows: int = 1 << 14) -> dict[tuple[int, str], np.ndarray]:
+        """Per ``(layer, kind)``: the sum (int64) of the histograms of ``n_bins`` bins, rows whose
+        histogram has another length (or none) left out; ``kinds``: the trace's, when known (else
+        read first). Streamed: at most ``chunk_rows`` histograms in memory at once, no Python object
+        made per row but the (group, blob) pair the database driver gives."""
+        kinds = list(kinds) if kinds is not None else [r[0] for r in self._tuples("SELECT DISTINCT kind FROM stats")]
+        if not kinds:
+            return {}
+        k = len(kinds)
+        case = "CASE kind " + " ".join(f"WHEN ? THEN {i}" for i in range(k)) + " END"
+        sql = (f"SELECT layer * {k} + {case}, hist FROM stats NOT INDEXED "
+               f"WHERE length(hist) = ? AND kind IN ({', '.join('?' * k)})")
+        cur = self._tuples(sql, [*kinds, 8 * n_bins, *kinds])
+        sums: dict[int, np.ndarray] = {}
+        while True:
+            rows = cur.fetchmany(chunk_rows)
+            if not rows:
+                break
+            code = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
+            hist = np.frombuffer(b"".join([r[1] for r in rows]), dtype="<i8").reshape(len(rows), n_bins)
+            groups, at = np.unique(code, return_inverse=True)
+            part = np.zeros((len(groups), n_bins), dtype=np.int64)
+            np.add.at(part, at.reshape(-1), hist)
+            for g, row in zip(groups.tolist(), part):
+                got = sums.get(g)
+                sums[g] = row if got is None else got + row
+        return {(g // k, kinds[g % k]): row for g, row in sums.items()}
+
+    _INT_COLUMNS = frozenset(("step", "layer", "call", "numel", "bytes", "nan", "posinf", "neginf", "zero", "overflow",
+                              "subnormal", "flush_to_zero", "rowid"))
+    _FLOAT_COLUMNS = frozenset(("min", "max", "absmax", "nzmin"))
+
+    def stat_chunks(self, columns: Sequence[str], *, kinds: Sequence[str] | None = None, hist_bins: int | None = None,
+                    chunk_rows: int = 1 << 14) -> Iterator[dict[str, np.ndarray]]:
+        """The stats rows as numpy columns, ``chunk_rows`` rows at a time, in the table's order (not by
+        step; ``rowid`` gives the order). ``columns``: stats columns but ``kind``, ``dtype``, ``slot``
+        and ``hist``, or ``rowid``; the integer ones as int64 (NULL not allowed), the others as float64
+        (NULL as NaN). ``kinds``: only the rows of these kinds, with a column ``kind`` of each row's
+        index in ``kinds``. ``hist_bins``: only the rows whose histogram has that many bins, with a
+        column ``hist``, an (n, hist_bins) int64 array."""
+        unknown = [c for c in columns if c not in self._INT_COLUMNS | self._FLOAT_COLUMNS]
+        if unknown:
+            raise ValueError(f"not a numeric stats column: {', '.join(unknown)}")
+        names, select, where, args = list(columns), list(columns), [], []
+        if kinds is not None:
+            select.append("CASE kind " + " ".join(f"WHEN ? THEN {i}" for i in range(len(kinds))) + " END")
+            names.append("kind")
+            where.append(f"kind IN ({', '.join('?' * len(kinds))})")
+            args += list(kinds) * 2
+        if hist_bins is not None:
+            select.append("hist")
+            where.append("length(hist) = ?")
+            args.append(8 * hist_bins)
+        sql = f"SELECT {', '.join(select)} FROM stats NOT INDEXED" + (" WHERE " + " AND ".join(where) if where else "")
+        cur = self._tuples(sql, args)
+        while True:
+            rows = cur.fetchmany(chunk_rows)
+            if not rows:
+                break
+            cols = list(zip(*rows))
+            out = {name: np.array(cols[i], dtype=np.float64 if name in self._FLOAT_COLUMNS else np.int64)
+                   for i, name in enumerate(names)}
+            if hist_bins is not None:
+                out["hist"] = np.frombuffer(b"".join(cols[-1]), dtype="<i8").reshape(len(rows), hist_bins)
+            yield out
 

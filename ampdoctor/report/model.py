@@ -149,52 +149,69 @@ def _jsonable(v: Any) -> Any:
 
 
 def _aggregate(reader: TraceReader, fmt: Format, layers: dict[int, dict]) -> list[LayerRow]:
-    acc: dict[tuple[int, str], dict] = {}
-    for s in reader.stats(with_hist=True):
-        key = (s["layer"], s["kind"])
-        a = acc.get(key)
-        if a is None:
-            a = acc[key] = {"absmax": 0.0, "numel": 0, "overflow": 0, "subnormal": 0, "ftz": 0, "nan": 0, "inf": 0,
-                            "first_bad": None, "calls": 0, "calls_at": {}, "dtypes": {}, "bytes": {}, "steps": set(),
-                            "hist": np.zeros(fmt.n_bins, dtype=np.int64)}
-        a["absmax"] = max(a["absmax"], s["absmax"] or 0.0)
-        a["numel"] += s["numel"]
-        a["overflow"] += s["overflow"]
-        a["subnormal"] += s["subnormal"]
-        a["ftz"] += s["flush_to_zero"]
-        a["nan"] += s["nan"]
-        a["inf"] += s["posinf"] + s["neginf"]
-        if (s["nan"] or s["posinf"] or s["neginf"] or s["overflow"]) and a["first_bad"] is None:
-            a["first_bad"] = s["step"]
+    """One row per (layer, kind) over every recorded step, totalled in SQL (:meth:`TraceReader.stat_groups`)
+    and the histograms summed in a stream (:meth:`TraceReader.hist_sums`): no Python object per stats row.
+    The same numbers as going through the rows in ``ORDER BY step, rowid`` order, ties included: the
+    dtype shown is the most frequent, and at equal counts the one that came first; rows of layers that
+    sort equal stay in the order they first came in."""
+    by_key: dict[tuple[int, str], list[dict]] = {}
+    for g in reader.stat_groups():
+        by_key.setdefault((g["layer"], g["kind"]), []).append(g)
+    hists = reader.hist_sums(fmt.n_bins, list(dict.fromkeys(kind for _, kind in by_key)))
+    rows, firsts = [], []
+    for (lid, kind), parts in by_key.items():
+        a = {k: sum(p[k] for p in parts) for k in ("rows", "numel", "overflow", "subnormal", "flush_to_zero", "nan",
+                                                   "posinf", "neginf", "bytes")}
+        absmax = max(0.0, *(p["absmax"] for p in parts))
+        bads = [p["first_bad"] for p in parts if p["first_bad"] is not None]
+        first_step = min(p["first_step"] for p in parts)
+        steps = parts[0]["steps"] if len(parts) == 1 else reader.step_count(lid, kind)
         # calls per step with rows of this kind: a call index says how many forwards ran before it, not
         # how many gave this kind (one backward after 20 no-grad validation forwards is call 20)
-        calls = a["calls_at"].setdefault(s["step"], set())
-        calls.add(s["call"])
-        a["calls"] = max(a["calls"], len(calls))
-        a["dtypes"][s["dtype"]] = a["dtypes"].get(s["dtype"], 0) + 1
-        a["bytes"][s["step"]] = a["bytes"].get(s["step"], 0) + s["bytes"]
-        a["steps"].add(s["step"])
-        if len(s["hist"]) == fmt.n_bins:
-            a["hist"] += s["hist"]
-    rows = []
-    for (lid, kind), a in acc.items():
+        nulls = sum(p["null_calls"] for p in parts)
+        if nulls:  # (rows without a call index: one more call of their step, as a set of calls counts them)
+            one = nulls == a["rows"]
+        else:
+            one = min(p["min_call"] for p in parts) == max(p["max_call"] for p in parts)
+        calls = 1 if one else reader.calls_per_step(lid, kind)
+        dtype = _main_dtype(reader, lid, kind, parts)
         info = layers.get(lid, {"name": f"#{lid}", "type": "?", "ord": None})
+        inf = a["posinf"] + a["neginf"]
         n = max(a["numel"], 1)
-        head = fmt.headroom_bits(a["absmax"]) if not a["inf"] else -math.inf
-        if not a["inf"] and a["nan"] >= a["numel"] > 0:
+        head = fmt.headroom_bits(absmax) if not inf else -math.inf
+        if not inf and a["nan"] >= a["numel"] > 0:
             head = math.nan  # no finite value at all (every value NaN): no headroom to speak of
-        dtype = max(a["dtypes"].items(), key=lambda kv: kv[1])[0]
-        nbytes = int(round(sum(a["bytes"].values()) / max(len(a["bytes"]), 1)))
+        nbytes = int(round(a["bytes"] / max(steps, 1)))
         order = info["ord"] if info["ord"] is not None else 10**9 + lid
+        hist = hists.get((lid, kind))
         rows.append(LayerRow(
             layer=info["name"] or "(root)", type=info["type"], order=order, kind=kind, dtype=dtype,
-            absmax=a["absmax"], headroom_bits=head, numel=a["numel"], overflow=a["overflow"],
-            subnormal=a["subnormal"], flush_to_zero=a["ftz"], nan=a["nan"], inf=a["inf"],
+            absmax=absmax, headroom_bits=head, numel=a["numel"], overflow=a["overflow"],
+            subnormal=a["subnormal"], flush_to_zero=a["flush_to_zero"], nan=a["nan"], inf=inf,
             overflow_pct=100.0 * a["overflow"] / n, subnormal_pct=100.0 * a["subnormal"] / n,
-            flush_pct=100.0 * a["ftz"] / n, first_bad_step=a["first_bad"], calls=a["calls"], bytes=nbytes,
-            steps=len(a["steps"]), hist=a["hist"].tolist()))
-    rows.sort(key=lambda r: (r.order, r.kind))
-    return rows
+            flush_pct=100.0 * a["flush_to_zero"] / n, first_bad_step=min(bads) if bads else None, calls=calls,
+            bytes=nbytes, steps=steps, hist=(hist if hist is not None else np.zeros(fmt.n_bins, np.int64)).tolist()))
+        firsts.append((lid, kind, first_step))
+    # rows that sort equal keep the order in which their layer and kind first came (by step, then row)
+    where = {(r.order, r.kind): 0 for r in rows}
+    for r in rows:
+        where[(r.order, r.kind)] += 1
+    tie = [0 if where[(r.order, r.kind)] == 1 else reader.first_rowid(lid, kind, step) or 0
+           for r, (lid, kind, step) in zip(rows, firsts)]
+    keyed = sorted(zip(rows, firsts, tie), key=lambda x: (x[0].order, x[0].kind, x[1][2], x[2]))
+    return [r for r, _, _ in keyed]
+
+
+def _main_dtype(reader: TraceReader, lid: int, kind: str, parts: list[dict]) -> str:
+    """The dtype most rows of one layer and kind had; at equal counts the one that came first."""
+    most = max(p["rows"] for p in parts)
+    tied = [p for p in parts if p["rows"] == most]
+    if len(tied) > 1:
+        step = min(p["first_step"] for p in tied)
+        tied = [p for p in tied if p["first_step"] == step]
+    if len(tied) > 1:
+        return min(tied, key=lambda p: reader.first_rowid(lid, kind, p["first_step"], p["dtype"]))["dtype"]
+    return tied[0]["dtype"]
 
 
 def never_stepped(timeline: list[dict]) -> bool:
@@ -386,7 +403,7 @@ def _other_ranks(files: list[Path], shown: Path) -> list[str]:
         if f == shown:
             continue
         try:
-            with TraceReader(f) as r:
+            with TraceReader(f) as r, r.snapshot():
                 meta, timeline, events = r.meta(), r.steps(), r.events()
                 rows = None
                 if never_stepped(timeline):  # whether its gradients held NaN without Inf decides (see _diagnose)
@@ -421,7 +438,7 @@ def build_report(path: str | Path, *, rank: int = 0) -> Report:
             trace = ranks[rank]
         elif rank != 0:  # (the default, rank 0, falls back to the lowest rank there)
             raise ValueError(f"no trace of rank {rank} in {path}; ranks there: {', '.join(map(str, sorted(ranks)))}")
-    with TraceReader(trace) as reader:
+    with TraceReader(trace) as reader, reader.snapshot():
         meta = reader.meta()
         fmt = get_format(meta.get("format", "fp16"))
         layers = {row["id"]: row for row in reader.layers()}

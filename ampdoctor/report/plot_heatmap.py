@@ -33,6 +33,7 @@ from .step_grid import StepGrid, step_grid
 __all__ = ["MAX_COLS", "HEADROOM_CMAP", "headroom_heatmap"]
 
 MAX_COLS = 150       # heatmap columns (steps); longer runs are binned, keeping the worst of each bin
+LEGEND_PAD = 17.0    # points between the top of the heatmap and its title: the legend's row goes in between
 
 # headroom colours: warm near overflow, cool with room to spare (red/dark are kept for overflow/NaN)
 HEADROOM_CMAP = LinearSegmentedColormap.from_list(
@@ -124,7 +125,8 @@ def headroom_heatmap(report: Report, kind: str = "activation", *, ax: Axes | Non
         ax.set_xlabel("step" + (" (binned: worst of each bin)" if len(col_steps) < len(grid.steps) else ""))
         if total > len(grid.layers):
             title += f" - {len(grid.layers)} of {total} layers with the least headroom"
-        ax.set_title(title, loc="left")
+        # the title goes on a line of its own above the legend's, which it would run into once long
+        ax.set_title(title, loc="left", pad=LEGEND_PAD)
         normal_bits = math.log2(fmt.max / fmt.smallest_normal)
         cmap = HEADROOM_CMAP.with_extremes(under=C_OVERFLOW, over=C_SUBNORMAL)
         sm = matplotlib.cm.ScalarMappable(Normalize(0, normal_bits), cmap)
@@ -133,6 +135,6 @@ def headroom_heatmap(report: Report, kind: str = "activation", *, ax: Axes | Non
                    Patch(color=C_SUBNORMAL, label="all values subnormal"), Patch(color=C_FLUSH, label="all flush to zero"),
                    matplotlib.lines.Line2D([], [], marker="o", color="#b000d0", linestyle="", markersize=4,
                                            label=f">= {UNDERFLOW_MARK:g}% subnormal/flushed")]
-        ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=5, frameon=False,
+        ax.legend(handles=handles, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=5, frameon=False,
                   borderaxespad=0.2, handlelength=1.2, columnspacing=1.0)
         return fig

@@ -26,38 +26,37 @@ class StepGrid:
 
 
 def step_grid(report: Report, kind: str) -> StepGrid | None:
-    """Read the per-step statistics of ``kind`` from the report's trace (None when it is gone)."""
+    """Read the per-step statistics of ``kind`` from the report's trace (None when it is gone), totalled
+    per layer and step in SQL (:meth:`TraceReader.step_cells`): layers x steps cells, not rows, in memory."""
     path = Path(report.trace)
     if not path.exists():
         return None
     fmt = report.fmt
-    with TraceReader(path) as reader:
+    with TraceReader(path) as reader, reader.snapshot():
         names = {row["id"]: (row["name"] or "(root)") for row in reader.layers()}
-        stats = reader.stats(kind=kind)
+        cells = reader.step_cells(kind)
     order = [r.layer for r in report.rows(kind)]
-    if not stats or not order:
+    if not len(cells["step"]) or not order:
         return None
-    steps = sorted({s["step"] for s in stats})
-    col = {s: i for i, s in enumerate(steps)}
+    steps = np.unique(cells["step"])
     row = {n: i for i, n in enumerate(order)}
+    # layer ids -> grid rows (ids of one name share a row; an id missing from the layers table gets no cells)
+    at = np.array([row.get(names.get(lid, ""), -1) for lid in cells["layer"].tolist()], dtype=np.int64)
+    use = at >= 0
+    i, j = at[use], np.searchsorted(steps, cells["step"][use])
     shape = (len(order), len(steps))
     absmax = np.zeros(shape)
     bad = np.zeros(shape, dtype=bool)
     numel = np.zeros(shape)
     under = np.zeros(shape)
     present = np.zeros(shape, dtype=bool)
-    for s in stats:
-        i = row.get(names.get(s["layer"], ""))
-        if i is None:
-            continue
-        j = col[s["step"]]
-        present[i, j] = True
-        absmax[i, j] = max(absmax[i, j], s["absmax"] or 0.0)
-        bad[i, j] |= bool(s["nan"] or s["posinf"] or s["neginf"])
-        numel[i, j] += s["numel"]
-        under[i, j] += s["subnormal"] + s["flush_to_zero"]
+    present[i, j] = True
+    np.maximum.at(absmax, (i, j), cells["absmax"][use])
+    np.logical_or.at(bad, (i, j), cells["bad"][use])
+    np.add.at(numel, (i, j), cells["numel"][use])
+    np.add.at(under, (i, j), cells["under"][use])
     with np.errstate(divide="ignore"):
         head = np.where(absmax > 0, np.log2(fmt.max / np.where(absmax > 0, absmax, 1.0)), np.inf)
     head[bad] = -np.inf
     pct = 100.0 * under / np.maximum(numel, 1)
-    return StepGrid(kind, order, steps, head, pct, present)
+    return StepGrid(kind, order, steps.tolist(), head, pct, present)
