@@ -646,20 +646,11 @@ class TraceReader:
         if not kinds:
             return {}
         k = len(kinds)
-        case = "CASE kind " + " ".join(f"WHEN ? THEN {i}" for i in range(k)) + " END"
-        sql = (f"SELECT layer * {k} + {case}, hist FROM stats NOT INDEXED "
-               f"WHERE length(hist) = ? AND kind IN ({', '.join('?' * k)})")
-        cur = self._tuples(sql, [*kinds, 8 * n_bins, *kinds])
         sums: dict[int, np.ndarray] = {}
-        while True:
-            rows = cur.fetchmany(chunk_rows)
-            if not rows:
-                break
-            code = np.fromiter((r[0] for r in rows), dtype=np.int64, count=len(rows))
-            hist = np.frombuffer(b"".join([r[1] for r in rows]), dtype="<i8").reshape(len(rows), n_bins)
-            groups, at = np.unique(code, return_inverse=True)
+        for c in self.stat_chunks(("layer",), kinds=kinds, hist_bins=n_bins, chunk_rows=chunk_rows):
+            groups, at = np.unique(c["layer"] * k + c["kind"], return_inverse=True)
             part = np.zeros((len(groups), n_bins), dtype=np.int64)
-            np.add.at(part, at.reshape(-1), hist)
+            np.add.at(part, at.reshape(-1), c["hist"])
             for g, row in zip(groups.tolist(), part):
                 got = sums.get(g)
                 sums[g] = row if got is None else got + row
@@ -696,10 +687,10 @@ class TraceReader:
             rows = cur.fetchmany(chunk_rows)
             if not rows:
                 break
-            cols = list(zip(*rows))
-            out = {name: np.array(cols[i], dtype=np.float64 if name in self._FLOAT_COLUMNS else np.int64)
-                   for i, name in enumerate(names)}
+            n = len(rows)  # (integer columns straight from the rows; float ones through np.array: NULL as NaN)
+            out = {name: np.array([r[i] for r in rows], dtype=np.float64) if name in self._FLOAT_COLUMNS else
+                   np.fromiter((r[i] for r in rows), dtype=np.int64, count=n) for i, name in enumerate(names)}
             if hist_bins is not None:
-                out["hist"] = np.frombuffer(b"".join(cols[-1]), dtype="<i8").reshape(len(rows), hist_bins)
+                out["hist"] = np.frombuffer(b"".join([r[-1] for r in rows]), dtype="<i8").reshape(n, hist_bins)
             yield out
 

@@ -2,8 +2,48 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
 import torch
 from torch import nn
+
+ROOT = Path(__file__).parent.parent
+
+
+@contextlib.contextmanager
+def bisect_until_trial(script: Path, marker: Path, out: Path, json_path: Path, env: dict,
+                       wait: float = 60) -> Iterator[tuple[subprocess.Popen, int]]:
+    """``ampdoctor bisect --out OUT --json JSON SCRIPT -- MARKER`` in a process group of its own (as a
+    shell's foreground job, SIGINT at its default: a test runner may ignore it), until a trial of it
+    writes its pid to ``marker``: yields the bisect process and that pid. Both groups are killed on the
+    way out."""
+    p = subprocess.Popen([sys.executable, "-m", "ampdoctor", "bisect", "--out", out, "--json", json_path,
+                          script, "--", marker], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    trial = None
+    try:
+        deadline = time.monotonic() + wait
+        while not marker.exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marker.exists(), p.communicate(timeout=30)
+        trial = int(marker.read_text())
+        yield p, trial
+    finally:
+        for pgid in (p.pid, trial):
+            if pgid is not None:
+                try:
+                    os.killpg(pgid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        p.wait(timeout=30)
 
 
 class Attn(nn.Module):

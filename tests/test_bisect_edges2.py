@@ -6,11 +6,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from helpers import bisect_until_trial
 
 ROOT = Path(__file__).parent.parent
 FIXTURES = ROOT / "fixtures"
@@ -166,17 +166,7 @@ def test_interrupted_bisect_keeps_the_finished_baseline_trace(tmp_path, sig, sta
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for k in ("AMPDOCTOR_CONFIG", "AMPDOCTOR_TRACE_WRITER"):
         env.pop(k, None)
-    p = subprocess.Popen([sys.executable, "-m", "ampdoctor", "bisect", "--out", out, "--json", tmp_path / "r.json",
-                          script, "--", marker], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, start_new_session=True,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    trial = None
-    try:
-        deadline = time.monotonic() + 120
-        while not marker.exists() and p.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert marker.exists(), p.communicate(timeout=30)
-        trial = int(marker.read_text())
+    with bisect_until_trial(script, marker, out, tmp_path / "r.json", env, wait=120) as (p, trial):
         if sig == signal.SIGINT:
             os.killpg(p.pid, sig)  # what Ctrl-C in a terminal does
         else:
@@ -192,14 +182,6 @@ def test_interrupted_bisect_keeps_the_finished_baseline_trace(tmp_path, sig, sta
                              capture_output=True, text=True, timeout=120)
         assert rep.returncode == 0, rep.stdout + rep.stderr
         assert "no baseline trace yet" not in rep.stdout + rep.stderr, rep.stdout
-    finally:
-        for pgid in (p.pid, trial):
-            if pgid is not None:
-                try:
-                    os.killpg(pgid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        p.wait(timeout=30)
 
 
 # -- a Ctrl-C between a trial's start and its registration ------------------------------------------

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from helpers import bisect_until_trial
 from report_helpers import synthetic_trace
 
 from ampdoctor.cli import main
@@ -220,18 +221,7 @@ def test_ctrl_c_during_bisect_ends_the_trials_and_exits_130(tmp_path, fork):
         env.pop(k, None)
     if not fork:
         env["AMPDOCTOR_NO_FORK"] = "1"
-    # its own group, as a shell's foreground job, with SIGINT at its default (a test runner may ignore it)
-    p = subprocess.Popen([sys.executable, "-m", "ampdoctor", "bisect", "--out", out, "--json", tmp_path / "r.json",
-                          script, "--", marker], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, start_new_session=True,
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    trial = None
-    try:
-        deadline = time.monotonic() + 60
-        while not marker.exists() and p.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert marker.exists(), p.communicate(timeout=30)
-        trial = int(marker.read_text())
+    with bisect_until_trial(script, marker, out, tmp_path / "r.json", env) as (p, trial):
         assert os.getpgid(trial) == trial and len(_group(trial)) >= 2  # the trial and its trace writer
         os.killpg(p.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
         t0 = time.monotonic()
@@ -244,14 +234,6 @@ def test_ctrl_c_during_bisect_ends_the_trials_and_exits_130(tmp_path, fork):
         assert not _group(trial), "a trial process outlived bisect"
         res = json.loads((tmp_path / "r.json").read_text())
         assert res["verdict"] == "error" and "interrupted" in res["error"], res
-    finally:
-        for pgid in (p.pid, trial):
-            if pgid is not None:
-                try:
-                    os.killpg(pgid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-        p.wait(timeout=30)
 
 
 # -- broken runs that end early: `run` and `bisect` agree ---------------------------------------

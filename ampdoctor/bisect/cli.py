@@ -137,7 +137,7 @@ def bisect_command(out, json_path, fmt, jobs, repeat, timeout, max_steps, margin
         res = run_bisect(script, args, out_dir, opts, progress=_progress)
     except KeyboardInterrupt as e:  # the driver stopped every running trial before this
         status = getattr(e, "exit_status", 130)
-        said = _baseline_kept(out_dir)
+        said = getattr(e, "baseline_trace", None) is not None  # (kept in out_dir by the driver)
         click.echo(f"\nampdoctor bisect: {'terminated' if status == 143 else 'interrupted'}; stopped the running "
                    f"trial(s); what ran is in {out_dir / 'trials'}"
                    + (f"; the baseline's report: ampdoctor report {out_dir}" if said else ""), err=True)
@@ -165,17 +165,6 @@ class _Terminated(KeyboardInterrupt):
 
 def _terminated(signum, frame) -> None:
     raise _Terminated()
-
-
-def _baseline_kept(out_dir: Path) -> bool:
-    """Whether the interrupted bisect finished its baseline and kept its trace in ``out_dir``."""
-    import json
-
-    try:
-        res = json.loads((out_dir / "bisect.json").read_text())
-        return (out_dir / "trace.sqlite").exists() and any(d.get("name") == "baseline" for d in res["trial_details"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return False
 
 
 def _copy_json(out_dir: Path, json_path: str | None) -> None:

@@ -164,7 +164,7 @@ def run_bisect(script: str | None, args: Sequence[str], out: Path, opts: BisectO
             except Exception as w:  # the interrupt is what the caller must see
                 log.warning("ampdoctor bisect: could not write %s: %s", out / "bisect.json", w)
             try:  # a finished baseline's trace where a finished bisect keeps it: `ampdoctor report OUT` shows it
-                keep_baseline_trace(out, result)
+                e.baseline_trace = keep_baseline_trace(out, result)  # type: ignore[attr-defined]
             except Exception as w:
                 log.warning("ampdoctor bisect: could not keep the baseline trace in %s: %s", out, w)
         raise

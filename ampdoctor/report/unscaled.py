@@ -53,7 +53,7 @@ def unscaled_hists(report: Report) -> tuple[dict[str, dict[int, int]], int] | No
     exponents in increasing order.
 
     Streamed with numpy (:meth:`TraceReader.stat_chunks`): the histograms of one chunk of rows at a
-    time. Each row counts as :func:`_row_exponents` says, shifted by its step's scale."""
+    time. Each row counts as :class:`_Unscaled` says, shifted by its step's scale."""
     path = Path(report.trace)
     if not path.exists():
         return None
@@ -93,7 +93,10 @@ def unscaled_hists(report: Report) -> tuple[dict[str, dict[int, int]], int] | No
 
 class _Unscaled:
     """The sums behind :func:`unscaled_hists`, chunk by chunk: the exponent bins per (layer, shift)
-    as int64 arrays, and the under/over bins spread per row (:func:`_spread`) with difference arrays."""
+    as int64 arrays, and the under/over bins spread per row with difference arrays. The under/over bins
+    only say "below/above the format's range"; the row's nzmin/abs-max bound them, and their counts are
+    spread evenly over the binades in between, the remainder to the lowest (an FP32 run measured against
+    fp16 puts its tiny gradients there)."""
 
     def __init__(self, fmt: Format):
         self.fmt = fmt
@@ -130,7 +133,7 @@ class _Unscaled:
         for (n, sh), row in zip(pair.tolist(), sums):
             got = self.bins.get((n, sh))
             self.bins[(n, sh)] = row if got is None else got + row
-        # under and over bins: spread between the row's nzmin and abs-max, as _row_exponents does
+        # under and over bins: spread between the row's nzmin and abs-max
         lo_exp, hi_exp = fmt.min_exp - 1, fmt.max_exp + 1
         pieces = []  # (rows, counts, lowest binade, highest binade), recorded (scaled) binades
         under = np.flatnonzero(hist[:, 0])
@@ -150,7 +153,7 @@ class _Unscaled:
 
     def _spread(self, nid: np.ndarray, n: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
         """Add, per row, ``n`` values spread evenly over binades ``lo..hi`` (remainder to the lowest),
-        as :func:`_spread` does, for all the rows at once: a difference array per layer."""
+        for all the rows at once: a difference array per layer."""
         width = hi - lo + 1
         base, rem = n // width, n % width
         off = int(lo.min())
@@ -181,33 +184,3 @@ class _Unscaled:
                 out[name] = h
         return out, len(self.steps)
 
-
-def _spread(counts: dict[int, int], n: int, lo: int, hi: int) -> None:
-    """Add ``n`` values spread evenly over binades ``lo..hi`` (remainder to the lowest)."""
-    hi = max(hi, lo)
-    width = hi - lo + 1
-    for i, e in enumerate(range(lo, hi + 1)):
-        c = n // width + (1 if i < n % width else 0)
-        if c:
-            counts[e] = counts.get(e, 0) + c
-
-
-def _row_exponents(r: dict, fmt: Format) -> dict[int, int]:
-    """binade -> count of one stats row. The under/over bins only say "below/above the format's
-    range"; the row's nzmin/abs-max bound them, and their counts are spread evenly in between
-    (an FP32 run measured against fp16 puts its tiny gradients there)."""
-    hist = r["hist"]
-    out: dict[int, int] = {}
-    for e, c in zip(range(fmt.min_exp, fmt.max_exp + 1), hist[1:-1]):
-        if c:
-            out[e] = int(c)
-    under, over = int(hist[0]), int(hist[-1])
-    nzmin, absmax = r.get("nzmin"), r.get("absmax")
-    if under:
-        lo = math.floor(math.log2(nzmin)) if nzmin and 0 < nzmin < math.inf else fmt.min_exp - 1
-        hi = math.floor(math.log2(absmax)) if absmax and absmax > 0 else fmt.min_exp - 1
-        _spread(out, under, min(lo, fmt.min_exp - 1), min(hi, fmt.min_exp - 1))
-    if over:
-        hi = math.floor(math.log2(absmax)) if absmax and 0 < absmax < math.inf else fmt.max_exp + 1
-        _spread(out, over, fmt.max_exp + 1, max(hi, fmt.max_exp + 1))
-    return out
