@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+from report_helpers import synthetic_trace
 
 from ampdoctor.formats import get_format
 from ampdoctor.report import build_report
@@ -73,6 +74,15 @@ def test_json_report_has_the_same_rows(tmp_path):
     head = [r for r in data["layers"] if r["layer"] == "head" and r["kind"] == "activation"][0]
     assert head["calls"] == 2
     assert data["diagnosis"]["first_nonfinite"]["layer"] == "blocks.1.proj"
+
+
+def test_json_timeline_tells_a_nan_loss_from_no_loss(tmp_path):
+    """JSON has no NaN: a NaN loss is "nan" (as an Inf one is "inf"), a step without a loss recorded is null."""
+    losses = [1.0, float("nan"), None, float("inf"), float("-inf")]
+    path = synthetic_trace(tmp_path / "t.sqlite", grad_exps=[(0, 10)], scales=[None] * 5, losses=losses)
+    data = json.loads(build_report(path).to_json())
+    assert [t["loss"] for t in data["timeline"]] == [1.0, "nan", None, "inf", "-inf"]
+    assert [t["step"] for t in data["timeline"]] == [0, 1, 2, 3, 4]
 
 
 def test_a_selection_that_shows_nothing_says_so(tmp_path):

@@ -113,7 +113,8 @@ class Report:
             "meta": {k: _jsonable(v) for k, v in self.meta.items()},
             "diagnosis": {k: _jsonable(v) for k, v in asdict(self.diagnosis).items()},
             "layers": layers,
-            "timeline": [{k: _jsonable(v) for k, v in t.items()} for t in self.timeline],
+            # a loss that was NaN is "nan" there, as Inf is "inf": null is a step with no loss recorded
+            "timeline": [{k: _jsonable(v, nan="nan") for k, v in t.items()} for t in self.timeline],
             "events": self.events,
             "notes": self.notes,
             "bisect": self.bisect,
@@ -134,17 +135,18 @@ class Report:
         return self.to_text()
 
 
-def _jsonable(v: Any) -> Any:
+def _jsonable(v: Any, nan: str | None = None) -> Any:
+    """``v`` as JSON holds it (no NaN in JSON): Inf as "inf"/"-inf", NaN as ``nan`` (null unless told)."""
     if isinstance(v, float) and not math.isfinite(v):
-        return None if math.isnan(v) else ("inf" if v > 0 else "-inf")
+        return nan if math.isnan(v) else ("inf" if v > 0 else "-inf")
     if isinstance(v, (np.integer,)):
         return int(v)
     if isinstance(v, (np.floating,)):
-        return _jsonable(float(v))
+        return _jsonable(float(v), nan)
     if isinstance(v, dict):
-        return {k: _jsonable(x) for k, x in v.items()}
+        return {k: _jsonable(x, nan) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
+        return [_jsonable(x, nan) for x in v]
     return v
 
 
