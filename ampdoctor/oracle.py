@@ -16,7 +16,10 @@ Criteria, each reported as a ``reason``:
     the GradScaler scale fell below ``scale_floor``;
 ``skipped_steps``
     more than ``skip_frac`` of the last ``skip_window`` optimizer steps were skipped, after
-    the scaler's start-up (see ``startup_grace``); or a run that ends with every one of its
+    the scaler's start-up (see ``startup_grace``); more than ``startup_grace`` skips in a row from
+    the first step unless the scale halved at each of them (a huge ``init_scale`` backing off: a
+    failure only if the run ends, or the trial is decided, before a step is taken; a scale that
+    keeps falling collapses first); or a run that ends with every one of its
     steps (at least :data:`NAN_SKIPS`) skipped, whose recorded gradients held NaN but no Inf
     (``grads="nan"``): not start-up backoffs, which come from a scale too high and overflow
     to Inf;
@@ -66,7 +69,9 @@ class OracleConfig:
     # Skipped steps before the first successful optimizer step are the scaler's start-up
     # backoffs (init_scale 65536 halves until gradients fit; 3-5 skips are normal) and do not
     # count; more than this many in a row from the start is a failure. 20 is generous:
-    # 65536 / 2**16 is already 1, where scale_collapse trips anyway.
+    # 65536 / 2**16 is already 1, where scale_collapse trips anyway. A longer run whose scale fell
+    # at every skip is a larger init_scale (2**40 skips ~24 steps) still backing off: it fails
+    # only if no step is taken before the run ends (or the scale collapses).
     startup_grace: int = 20
     # With reference losses: fail when the final loss exceeds this factor times the
     # reference (None: not judged). Both sides are averaged over the last
@@ -150,6 +155,8 @@ class Oracle:
         self._nonfinite_run = 0
         self._warmed_up = False  # a non-skipped optimizer step has happened
         self._startup_skips: list[int] = []
+        self._startup_scale: Optional[float] = None  # the scale after the last start-up skip
+        self._startup_falling = True  # the scale fell at every start-up skip (a backoff from init_scale)
         self._window: deque[tuple[int, bool]] = deque(maxlen=self.cfg.skip_window)
         self._backoff_start: Optional[int] = None  # first step of the current run of scale drops
         self._last_scale: Optional[float] = None
@@ -185,7 +192,8 @@ class Oracle:
         judged (when configured), else pass."""
         if self.decision is not None:
             return self.decision
-        if self.nan_skips():
+        if self.nan_skips() or (not self._warmed_up and len(self._startup_skips) > self.cfg.startup_grace):
+            # (the second: a long backoff from a huge init_scale that never reached a scale that fits)
             self.decision = Decision("fail", self._startup_skips[0], "skipped_steps")
             return self.decision
         div = self._check_divergence()
@@ -244,7 +252,10 @@ class Oracle:
                 self._warmed_up = True
                 return None
             self._startup_skips.append(step)
-            if len(self._startup_skips) > self.cfg.startup_grace:
+            falling = scale is not None and (self._startup_scale is None or scale < self._startup_scale)
+            self._startup_falling = self._startup_falling and falling
+            self._startup_scale = scale
+            if len(self._startup_skips) > self.cfg.startup_grace and not self._startup_falling:
                 return Decision("fail", self._startup_skips[0], "skipped_steps")
             return None
         self._window.append((step, bool(skipped)))

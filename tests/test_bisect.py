@@ -414,9 +414,11 @@ def test_fix_snippet_of_an_overflowing_power_says_power():
 
 
 def test_trials_run_past_the_step_where_a_skip_window_failure_shows(tmp_path):
-    """A skipped-steps failure is reported at the first step of the window (here step 0: a 2**40
-    init_scale skips 24 steps in a row) but can only be detected 20 steps later; trials passed at
-    step 0 + margin, before their own failure could show, so every set "fixed" it (a bogus culprit)."""
+    """A skipped-steps failure is reported at the first step of the window but can only be detected
+    steps later; trials passed at the failure step + margin, before their own failure could show, so
+    every set "fixed" it (a bogus culprit). Here a 2**40 init_scale backs off for 24 steps (start-up,
+    not the failure); then growth_interval=1 doubles the scale after every step taken, so more than
+    half of the steps overflow: the window that fails starts at step 27."""
     import torch
     from torch import nn
 
@@ -440,10 +442,13 @@ def test_trials_run_past_the_step_where_a_skip_window_failure_shows(tmp_path):
     assert res["failure"]["reason"] == "skipped_steps", res
     base = res["trials"][0]
     assert base["outcome"] == "fail"
-    assert res["pass_after"] > 20, res["pass_after"]
+    fail_step = res["failure"]["step"]
+    assert fail_step > 24, res["failure"]  # after the start-up backoff
+    # a window of 10 first trips 6 skipped steps after its first: the trials run past that
+    assert res["pass_after"] > fail_step + 10, res["pass_after"]
     for t in res["trials"]:
         if t["outcome"] == "pass":
-            assert t["step"] > 20, t
+            assert t["step"] > fail_step + 10, t
 
 
 def test_not_precision_first_nonfinite_is_not_the_scalers_startup_overflow(tmp_path):

@@ -78,6 +78,44 @@ def test_warmup_that_never_ends_fails():
     assert d == Decision("fail", 0, "scale_collapse")  # 65536 / 2**17 < 1 first
 
 
+def test_long_backoff_from_a_huge_init_scale_is_start_up():
+    """init_scale=2**40 on a healthy model: 24 skips in a row from step 0 while the scale halves to 2**16,
+    then training. More than startup_grace skips: it was called a failure (skipped_steps at 0)."""
+    tl = scaler_timeline(set(range(24)) | {300}, 400, init=2.0 ** 40, growth_interval=100)
+    o = Oracle()
+    assert [o.observe(s, 1.0, sc, sk, True) for s, sc, sk in tl] == [None] * 400
+    assert o.finish() == Decision("pass", 399, None)
+    # after it, skips that resume and persist are a failure as ever, where they began
+    tl = scaler_timeline(set(range(24)) | set(range(60, 100)), 100, init=2.0 ** 40)
+    assert run(Oracle(), tl) == Decision("fail", 60, "skipped_steps")
+
+
+def test_long_start_up_skips_whose_scale_does_not_fall_fail():
+    """Only a scale that halves at every skip is a backoff: a skip run with the scale held (or not seen)
+    fails once it is longer than startup_grace, at its first step, as soon as that is known."""
+    held = [(s, 2.0 ** 30, True) for s in range(30)]
+    o = Oracle()
+    got = [o.observe(s, 1.0, sc, sk, True) for s, sc, sk in held]
+    assert got[:20] == [None] * 20 and got[20] == Decision("fail", 0, "skipped_steps")
+    o = Oracle()
+    got = [o.observe(s, 1.0, None, True, True) for s in range(30)]
+    assert got[20] == Decision("fail", 0, "skipped_steps")
+    # one skip whose scale did not fall, among halving ones
+    tl = [(s, 2.0 ** (39 - s) if s != 5 else 2.0 ** 35, True) for s in range(30)]
+    assert run(Oracle(), tl) == Decision("fail", 0, "skipped_steps")
+
+
+def test_long_backoff_that_never_ends_fails_when_the_run_is_decided():
+    """Still backing off (no step taken) when the run ends or a trial passes its pass_after: it never
+    trained, a failure from its first step; within startup_grace skips it is not."""
+    tl = scaler_timeline(set(range(30)), 30, init=2.0 ** 60)
+    o = Oracle()
+    assert [o.observe(s, 1.0, sc, sk, True) for s, sc, sk in tl] == [None] * 30
+    assert o.finish() == Decision("fail", 0, "skipped_steps")
+    tl = scaler_timeline(set(range(20)), 20, init=2.0 ** 60)
+    assert run(Oracle(), tl).outcome == "pass"
+
+
 def _skipping(n, grads, losses=None, taken=()):
     """``n`` steps of a GradScaler that skips all but ``taken``; ``grads[i]``: what step i's recorded
     gradients held (None: not recorded)."""
