@@ -104,12 +104,12 @@ def get_format(fmt: str | torch.dtype | Format) -> Format:
 AUTO = "auto"  # the format of what the run trains in, decided at the first watched forward (detect_format)
 
 
-def detect_format(module: torch.nn.Module) -> tuple[str, str]:
-    """(format name, why) for a run whose format was not given, where the first watched forward of
+def detect_format(module: torch.nn.Module, default: bool = True) -> tuple[str, str] | None:
+    """(format name, why) for a run whose format was not given, where a watched forward of
     ``module`` starts: the dtype autocast casts to, when autocast is on for the parameters' device
     type (float16: fp16, bfloat16: bf16); else the parameters' own dtype when it is float16 or
     bfloat16 (a pure ``.half()``/``.bfloat16()`` model); else fp16 (an FP32 run: the FP16
-    readiness check)."""
+    readiness check), or None without ``default`` (autocast may still be entered further in)."""
     p = next((q for q in module.parameters() if q.is_floating_point()), None)
     kinds = [p.device.type] if p is not None else ["cuda", "cpu"]
     for kind in kinds:
@@ -123,4 +123,6 @@ def detect_format(module: torch.nn.Module) -> tuple[str, str]:
             continue
     if p is not None and p.dtype in (torch.float16, torch.bfloat16):
         return ("fp16" if p.dtype == torch.float16 else "bf16"), f"{str(p.dtype).replace('torch.', '')} parameters"
+    if not default:
+        return None
     return "fp16", "no autocast and no fp16/bf16 parameters: the FP16 readiness check"

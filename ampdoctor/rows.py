@@ -176,6 +176,33 @@ class StepRows:
         """The devices of the tensors measured so far."""
         return self._devices
 
+    def remeasure(self, fmt: Format) -> bool:
+        """Measure again, against ``fmt``, every row measured so far this step: a format decided
+        after the step began measuring (the first watched forward enters autocast inside the
+        model's own ``forward``, as accelerate and the HF Trainer wrap it, after the outer modules'
+        inputs were measured). Possible only while every measured tensor is still at hand and
+        unchanged (the first recorded step keeps its eagerly measured tensors waiting in the batch
+        until its first flush); otherwise nothing changes and it returns False."""
+        if self.fblocks or self.dropped:
+            return False
+        at_hand: dict[int, torch.Tensor] = {}
+        for ref, ver, slot in self._seen.values():
+            t = ref()
+            if t is not None and t._version == ver:
+                at_hand[slot] = t
+        for slot, t, ver, _key, _measured, _dev in self._pending:
+            if t._version == ver:
+                at_hand[slot] = t
+        if any(s not in at_hand for _, ss in self.blocks for s in ss):
+            return False
+        blocks = []
+        for _, ss in self.blocks:
+            ts = [at_hand[s] for s in ss]
+            gate = self._gates.get(ts[0].device)
+            blocks.append((_stats.batch_stats(ts, fmt) if gate is None else _stats.batch_stats(ts, fmt, gate), ss))
+        self.blocks = blocks
+        return True
+
     # -- from the hooks ------------------------------------------------------------------
     def slot_of(self, t: torch.Tensor, key: Hashable, nbytes: int | None = None, flag: bool = False,
                 hold: int = 0) -> int:

@@ -249,23 +249,32 @@ class Session:
         self._flag_meta: list[tuple] = []
         self._calls: dict[int, int] = {}
 
-    def resolve_format(self, root: Any) -> None:
-        """The format of a session created without one (``"auto"``), where the first watched forward
-        starts, from autocast's state or the model's dtype (:func:`ampdoctor.formats.detect_format`);
-        written to the trace's metadata. Only before anything is measured (no row changes width); a
-        session that measured first (a watch attached inside a forward) keeps fp16 and says so."""
-        self._fmt_auto = False
+    def resolve_format(self, root: Any, final: bool = True) -> None:
+        """The format of a session created without one (``"auto"``), from autocast's state or the
+        model's dtype (:func:`ampdoctor.formats.detect_format`) where a module of the first watched
+        forward starts; written to the trace's metadata. Until one shows autocast on (or fp16/bf16
+        parameters) it stays open (``final`` False: a forward wrapped in autocast by accelerate or
+        the HF Trainer enters it after the outermost module's hook); the end of that forward
+        (``final``) settles it, fp16 if nothing showed. The rows measured meanwhile are measured
+        again (:meth:`StepRows.remeasure`); where they cannot be (or a step has ended) the trace
+        stays measured against fp16 and says so."""
         try:
-            name, why = detect_format(root)
+            got = detect_format(root, default=final)
         except Exception as e:  # pragma: no cover - never break the user's forward: fp16 stays
+            self._fmt_auto = False
             log.info("ampdoctor: could not tell the run's format (%s: %s); measuring against fp16", type(e).__name__, e)
             return
+        if got is None:
+            return
+        self._fmt_auto = False
+        name, why = got
         if name != self.fmt.name:
-            if self.step or self._rows.n_slots:  # (a watch attached during a forward) fp16 has been measured
+            fmt = get_format(name)
+            if self.step or (self._rows.n_slots and not self._rows.remeasure(fmt)):
                 why += f"; seen after recording began, so the trace stays measured against {self.fmt.name}"
             else:
-                self.fmt = get_format(name)
-                self._row_policy.fmt = self.fmt  # (what measures the rows reads it there)
+                self.fmt = fmt
+                self._row_policy.fmt = fmt  # (what measures the rows reads it there)
         log.info("ampdoctor: measuring against %s (%s)", self.fmt.name, why)
         self.writer.set_meta(format=self.fmt.name, format_detected=why)
         self.writer.commit()

@@ -436,8 +436,8 @@ class Watch:
             if not self._depth and s.trained and not _grad_enabled():
                 self._eval = lid  # an outermost call with gradients disabled after training started: evaluation
                 return
-            if not self._depth and s._fmt_auto:  # the first watched forward: the run's format, if none was given
-                s.resolve_format(self.root)
+            if s._fmt_auto:  # the first watched forward: the run's format, if none was given (see resolve_format)
+                s.resolve_format(self.root, final=False)
             if not self._depth and not s.trained:
                 s.outermost_call(_grad_enabled())  # before any backward: is it evaluation? (see Session.outermost_call)
             self._depth += 1
@@ -529,6 +529,8 @@ class Watch:
                         if held is not None:
                             s._rows.release(held)
                     return
+                if not self._depth and s._fmt_auto:  # the first watched forward ends: no autocast seen in it
+                    s.resolve_format(self.root)
             elif out is None and _exc_info()[0] is not None:
                 return
             if s.trained and not _grad_enabled():

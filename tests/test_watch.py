@@ -1,6 +1,7 @@
 """watch(): what it records, that it leaves the process exactly as it was, awkward models."""
 
 import collections
+import functools
 import json
 import math
 
@@ -977,11 +978,31 @@ def test_tensor_hooks_registered_without_a_handle_keep_torch_order_and_ids():
     assert len(got) == 1 and torch.equal(got[0], torch.ones(3))
 
 
-def _autocast_run(tmp_path, name, fmt=None, dtype=torch.bfloat16, half_model=False, autocast=True):
+def _wrap_in_autocast(model, dtype, touch=False):
+    """``model.forward`` entering autocast itself, as accelerate's ``prepare`` (and so the HF
+    Trainer) wraps it: the outermost module's hooks run outside autocast. ``touch``: the wrapper
+    changes the input in place before it enters autocast."""
+    inner = model.forward
+
+    @functools.wraps(inner)
+    def forward(x):
+        if touch:
+            x.mul_(1.0)
+        with torch.autocast("cpu", dtype=dtype):
+            return inner(x).float()
+    model.forward = forward
+    return model
+
+
+def _autocast_run(tmp_path, name, fmt=None, dtype=torch.bfloat16, half_model=False, autocast=True,
+                  wrapped=False, kind="activation"):
     torch.manual_seed(0)
     model = _model()
     if half_model:
         model = model.to(dtype)
+    if wrapped:
+        _wrap_in_autocast(model, dtype, touch=wrapped == "touch")
+        autocast = False
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     with ampdoctor.watch(model, trace=str(tmp_path / name), format=fmt):
         for _ in range(2):
@@ -992,7 +1013,7 @@ def _autocast_run(tmp_path, name, fmt=None, dtype=torch.bfloat16, half_model=Fal
             opt.step()
             opt.zero_grad()
     r = TraceReader(tmp_path / name)
-    return r.meta(), r.stats(kind="activation")
+    return r.meta(), r.stats(kind=kind)
 
 
 @pytest.mark.parametrize("case,expect", [
@@ -1001,6 +1022,9 @@ def _autocast_run(tmp_path, name, fmt=None, dtype=torch.bfloat16, half_model=Fal
     (dict(half_model=True, autocast=False), ("bf16", "bfloat16 parameters")),
     (dict(half_model=True, autocast=False, dtype=torch.float16), ("fp16", "float16 parameters")),
     (dict(autocast=False), ("fp16", "the FP16 readiness check")),
+    (dict(wrapped=True), ("bf16", "autocast to bfloat16")),
+    (dict(wrapped=True, dtype=torch.float16), ("fp16", "autocast to float16")),
+    (dict(wrapped=True, kind=None), ("bf16", "autocast to bfloat16")),
 ])
 def test_format_not_given_is_the_one_the_run_trains_in(tmp_path, case, expect):
     """watch(model) with no format measures against what the first watched forward runs in
@@ -1010,6 +1034,18 @@ def test_format_not_given_is_the_one_the_run_trains_in(tmp_path, case, expect):
     assert meta["format"] == expect[0] and expect[1] in meta["format_detected"]
     meta2, rows2 = _autocast_run(tmp_path, "given.sqlite", fmt=expect[0], **case)
     assert meta2["format"] == expect[0] and "format_detected" not in meta2
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "id"} for r in rs]  # noqa: E731
+    assert strip(rows) == strip(rows2) and rows
+
+
+def test_format_seen_too_late_to_measure_again_stays_fp16_and_says_so(tmp_path):
+    """The wrapper of a forward that enters autocast changes the already measured input in place
+    first: its row cannot be measured again against bf16, so the trace stays fp16, consistently,
+    and its metadata says why."""
+    meta, rows = _autocast_run(tmp_path, "auto.sqlite", wrapped="touch", kind=None)
+    assert meta["format"] == "fp16"
+    assert "autocast to bfloat16" in meta["format_detected"] and "stays measured against fp16" in meta["format_detected"]
+    meta2, rows2 = _autocast_run(tmp_path, "given.sqlite", fmt="fp16", wrapped="touch", kind=None)
     strip = lambda rs: [{k: v for k, v in r.items() if k != "id"} for r in rs]  # noqa: E731
     assert strip(rows) == strip(rows2) and rows
 
