@@ -11,7 +11,11 @@ Criteria, each reported as a ``reason``:
     the loss is NaN/Inf in ``nonfinite_k`` consecutive observed steps (one bad batch that
     the GradScaler skips is not a failure);
 ``nonfinite_params``
-    any parameter (or optimizer state) is non-finite: training cannot recover from that;
+    any parameter (or optimizer state) is non-finite: training cannot recover from that. Where
+    the parameters were not checked at every step (a search trial checks them only on recorded
+    steps: step 0 and the steps after a non-finite loss), the step reported is the first of the
+    non-finite loss streak that led there, if one began after the last step whose parameters
+    were seen finite: the update that broke them is no later than that;
 ``scale_collapse``
     the GradScaler scale fell below ``scale_floor``;
 ``skipped_steps``
@@ -153,6 +157,7 @@ class Oracle:
         self.last_step: Optional[int] = None
         self._nonfinite_start: Optional[int] = None
         self._nonfinite_run = 0
+        self._params_ok: Optional[int] = None  # the last step whose parameters were seen finite
         self._warmed_up = False  # a non-skipped optimizer step has happened
         self._startup_skips: list[int] = []
         self._startup_scale: Optional[float] = None  # the scale after the last start-up skip
@@ -212,8 +217,14 @@ class Oracle:
 
     # -- criteria -----------------------------------------------------------------------
     def _check_params(self, step, loss, scale, skipped, params_finite) -> Optional[Decision]:
+        if params_finite is True:
+            self._params_ok = step
         if params_finite is False:
-            return Decision("fail", step, "nonfinite_params")
+            start = step
+            if self._nonfinite_start is not None and (self._params_ok is None or self._nonfinite_start > self._params_ok):
+                # unchecked since: the loss went non-finite first (a checked run saw the weights break there)
+                start = self._nonfinite_start
+            return Decision("fail", start, "nonfinite_params")
         return None
 
     def _check_loss(self, step, loss, scale, skipped, params_finite) -> Optional[Decision]:

@@ -25,3 +25,16 @@ def test_huge_init_scale_backing_off_is_healthy(tmp_path):
     res = json.loads((tmp_path / "r.json").read_text())
     assert res["verdict"] == "healthy" and p.returncode == 0, p.stdout + p.stderr
     assert len(res["trials"]) == 1 and res["trials"][0]["step"] == 50, res["trials"]
+
+
+def test_search_trials_report_nonfinite_params_where_the_baseline_does(tmp_path):
+    """SGD writes NaN into the weights at step 5 (its loss Inf). The baseline checks the weights every
+    step and said nonfinite_params at 5; a search trial checks them only after a non-finite loss, and
+    said 6 for the same failure."""
+    bisect("--out", tmp_path / "b", "--json", tmp_path / "r.json", "--no-drill", "--max-trials", "4",
+           SCRIPTS / "params_nan.py")
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["failure"] == {"step": 5, "reason": "nonfinite_params"}, res
+    reasons = [d["reason"] for d in res["trial_details"]]
+    fails = [(t, r) for t, r in zip(res["trials"][1:], reasons[1:]) if t["outcome"] == "fail"]
+    assert fails and all(t["step"] == 5 and r == "nonfinite_params" for t, r in fails), res["trials"]

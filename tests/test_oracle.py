@@ -186,6 +186,41 @@ def test_nonfinite_params_fail_at_once():
     assert o.observe(1, 1.0, 65536.0, False, False) == Decision("fail", 1, "nonfinite_params")
 
 
+def test_nonfinite_params_seen_late_are_reported_where_the_loss_broke():
+    """A search trial checks the parameters only on recorded steps (step 0, and the steps after a
+    non-finite loss): SGD wrote NaN into them at step 5, whose loss was Inf; the trial saw them at 6
+    and said nonfinite_params at 6 where the baseline, checking every step, said 5."""
+    o = Oracle()
+    assert o.observe(0, 1.0, None, None, True) is None
+    assert [o.observe(s, 1.0) for s in range(1, 5)] == [None] * 4
+    assert o.observe(5, math.inf) is None
+    assert o.observe(6, NAN, None, None, False) == Decision("fail", 5, "nonfinite_params")
+    # the backward overflowed at 5 with a finite loss: the first sign a trial has is the loss at 6
+    o = Oracle()
+    o.observe(0, 1.0, None, None, True)
+    assert [o.observe(s, 1.0) for s in range(1, 6)] == [None] * 5
+    assert o.observe(6, NAN) is None
+    assert o.observe(7, NAN, None, None, False) == Decision("fail", 6, "nonfinite_params")
+    # checked every step (the baseline): where they were seen, whatever the loss did before
+    o = Oracle()
+    for s in range(5):
+        assert o.observe(s, 1.0, None, None, True) is None
+    assert o.observe(5, NAN, None, None, True) is None  # a skipped NaN step: weights still finite
+    assert o.observe(6, NAN, None, None, False) == Decision("fail", 6, "nonfinite_params")
+    o = Oracle()
+    assert o.observe(0, 1.0, None, None, True) is None
+    assert o.observe(1, math.inf, None, None, False) == Decision("fail", 1, "nonfinite_params")
+    # a streak that began before the last check that found them finite: not where they broke
+    o = Oracle()
+    o.observe(0, 1.0, None, None, True)
+    o.observe(1, NAN, None, None, True)
+    o.observe(2, NAN)
+    assert o.observe(3, 1.0, None, None, False) == Decision("fail", 3, "nonfinite_params")
+    o = Oracle()
+    o.observe(0, NAN, None, None, True)
+    assert o.observe(1, NAN, None, None, False) == Decision("fail", 1, "nonfinite_params")
+
+
 def test_no_scaler_observations():
     o = Oracle()
     for s in range(50):
