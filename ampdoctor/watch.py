@@ -809,8 +809,9 @@ def watch(model: nn.Module, *, format: str | None = None, every: int | None = No
           all_modules: bool | None = None) -> Watch:
     """Record per-layer statistics of ``model`` against ``format`` (``"fp16"``, ``"bf16"``,
     ``"fp8_e4m3fn"``, ``"fp8_e5m2"``, ``"fp32"``) every ``every`` steps, into the SQLite ``trace``.
-    Without ``format`` (or ``"auto"``) it is the format the run trains in, read where the first
-    watched forward starts: autocast's dtype, else the parameters' fp16/bf16 dtype, else fp16.
+    Without ``format`` (or ``"auto"``) it is the format the run trains in, read in the first
+    watched forward: autocast's dtype (also where the model's own ``forward`` enters it), else the
+    parameters' fp16/bf16 dtype, else fp16.
 
     Under ``ampdoctor run``/``bisect`` the CLI's configuration wins over these arguments (the
     trial decides what is forced to FP32, the step budget and the trace path). Calling it on a
