@@ -584,3 +584,86 @@ def test_fix_snippets_for_names_that_are_keywords_or_hold_a_colon():
     assert "`d`: the D model" in root_hint(["D:net.2"], types)
     for expr in (module_expr("enc.class.0", types=types), module_expr("heads.task:a", types=types)):
         compile(expr, "<fix>", "eval")
+
+
+# -- advice that fits the run: GradScaler snippets only where one ran; the most useful fix first -----------
+def _diverging_run(path: Path, mode: str, steps: int = 8):
+    """A small MLP whose learning rate is far too high: the loss grows ~10x a step until it overflows.
+    ``mode``: fp16/bf16 CPU autocast (no GradScaler), or a pure ``.bfloat16()`` model."""
+    import torch
+    from torch import nn
+
+    import ampdoctor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    if mode == "pure_bf16":
+        model = model.bfloat16()
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    with ampdoctor.watch(model, trace=str(path), format="fp16" if mode == "fp16" else "bf16"):
+        for _ in range(steps):
+            x = torch.randn(32, 4) * 3
+            y = x.sum(1, keepdim=True)
+            if mode == "pure_bf16":
+                out = model(x.bfloat16())
+            else:
+                with torch.autocast("cpu", dtype=torch.float16 if mode == "fp16" else torch.bfloat16):
+                    out = model(x)
+            loss = nn.functional.mse_loss(out.float(), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    return build_report(path)
+
+
+@pytest.mark.parametrize("mode", ["fp16", "bf16", "pure_bf16"])
+def test_a_divergence_without_a_grad_scaler_is_told_to_clip_without_one(tmp_path, mode):
+    """The divergence advice said `scaler.unscale_(opt)` to runs that have no GradScaler (bf16, fp32), and came
+    after the keep_fp32 of the layer that first overflowed (a suspect): the learning rate is the fix, first."""
+    rep = _diverging_run(tmp_path / "t.sqlite", mode)
+    assert scaler_health(rep).state == "none"
+    first = rep.advice[0]
+    assert first.startswith("The loss grew from ") and "an optimisation divergence" in first, rep.advice
+    assert "`torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)` before `opt.step()`" in first, first
+    text = "\n".join(rep.advice)
+    assert "unscale_" not in text and "scaler." not in text, text
+    if mode != "fp16":  # bf16 has FP32's range: no GradScaler to recommend either
+        assert "GradScaler" not in text, text
+    assert any("keep_fp32(" in a for a in rep.advice[1:]), rep.advice  # the suspect is still named, after
+
+
+def test_a_divergence_with_a_grad_scaler_unscales_before_clipping(tmp_path):
+    losses = [1.0, 0.5, 4.0, 40.0, 400.0] + [float("nan")] * 4
+    p = synthetic_trace(tmp_path / "t.sqlite", grad_exps=[(-4, 100)], scales=[2.0 ** 16] * 5 + [2.0 ** 15, 2.0 ** 14,
+                        2.0 ** 13, 2.0 ** 12], skipped=[0] * 5 + [1] * 4, losses=losses)
+    rep = build_report(p)
+    assert rep.diagnosis.broke and rep.diagnosis.step == 5, rep.diagnosis
+    first = rep.advice[0]
+    assert first.startswith("The loss grew from 0.5 (step 1) to 400 (step 4)"), rep.advice
+    assert ("`scaler.unscale_(opt); torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)` before "
+            "`scaler.step(opt)`") in first, first
+    p2 = synthetic_trace(tmp_path / "t2.sqlite", grad_exps=[(-4, 100)], scales=[None] * 9, losses=losses)
+    rep2 = build_report(p2)
+    assert rep2.advice[0].startswith("The loss grew from 0.5 (step 1) to 400 (step 4)"), rep2.advice
+    assert "unscale_" not in "\n".join(rep2.advice) and "before `opt.step()`" in rep2.advice[0], rep2.advice
+
+
+def test_a_nonfinite_gradient_from_the_loss_blames_the_loss_scale_only_when_there_is_one(tmp_path):
+    from ampdoctor.trace import TraceWriter
+
+    def trace(path: Path, scaled: bool) -> Path:
+        w = TraceWriter(path)
+        w.set_meta(format="fp16", every=1, status="finished", argv=["synthetic"])
+        w.add_layers([(0, "lin", "Linear", 0, 1, None)])
+        for step in range(3):
+            w.add_step((step, [1.0, 1.0, float("inf")][step], 65536.0 if scaled else None,
+                        (1 if step == 2 else 0) if scaled else None, step + 1, 1, float(step)))
+        w.add_event(2, "first_nonfinite", "lin", kind="gradient", call=0, producers=1, from_loss=True, scaled=scaled)
+        w.commit()
+        w.close()
+        return path
+
+    text = "\n".join(build_report(trace(tmp_path / "a.sqlite", False)).advice)
+    assert "from the loss was non-finite at step 2: the loss overflowed" in text, text
+    text = "\n".join(build_report(trace(tmp_path / "b.sqlite", True)).advice)
+    assert "the loss (times the loss scale) overflowed" in text, text

@@ -47,12 +47,18 @@ def advise(report: Report) -> list[str]:
         ls = None
         out_note = f"loss-scale analysis failed: {type(e).__name__}: {e}"
         report.notes.append(out_note)
+    diverged = divergence_advice(report, scaler)
+    if diverged and culprits(report)[1] != "bisect":
+        # the loss grew tenfold before it broke (or bisect saw FP32 break too): the learning rate is the fix,
+        # and the layer that first overflowed (a suspect from the numbers, not verified) comes after it
+        out += diverged
+        diverged = []
     if ready is not None:
         out += readiness_advice(report, ready)
     else:
         out += culprit_advice(report)
         out += attention_advice(report)
-    out += divergence_advice(report)
+    out += diverged
     out += scaler_advice(report, scaler, ls)
     if report.fmt.name not in ("fp32",):
         out += zero_gradient_advice(report, ls)

@@ -98,8 +98,9 @@ def culprit_advice(report: Report) -> list[str]:
                     "produced in FP32 (every activation of this run was float32): keeping a layer in FP32 will not "
                     "help; look at the learning rate, the data and the loss."]
         if fn.get("from_loss"):
-            return [f"The gradient entering the model from the loss was non-finite at step {fn.get('step')}: the loss "
-                    "(times the loss scale) overflowed; compute the loss in FP32 (`loss_fn(out.float(), y)`) and check it."]
+            scaled = " (times the loss scale)" if fn.get("scaled") else ""  # (no GradScaler: no scale to blame)
+            return [f"The gradient entering the model from the loss was non-finite at step {fn.get('step')}: the loss"
+                    f"{scaled} overflowed; compute the loss in FP32 (`loss_fn(out.float(), y)`) and check it."]
         return []
     why = "bisect verified that forcing it to FP32 makes training pass" if source == "bisect" else \
         "it was the first layer to produce a non-finite value from finite inputs"

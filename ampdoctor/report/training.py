@@ -8,32 +8,57 @@ import math
 
 from .model import Report
 from .phrasing import fmt_num
-from .scaler_health import ScalerHealth
+from .scaler_health import ScalerHealth, scaler_health
 
-__all__ = ["divergence_advice", "pure_half_advice"]
+__all__ = ["clip_fix", "diverged", "divergence_advice", "pure_half_advice"]
 
 
-def divergence_advice(report: Report) -> list[str]:
-    """Not a precision problem: bisect's not_precision verdict, or a loss that grew tenfold before it broke.
+def diverged(report: Report) -> bool:
+    """The loss grew tenfold (from its lowest to its last finite value before the break) and then training
+    broke: an optimisation divergence."""
+    return bool(_growth(report))
+
+
+def _growth(report: Report) -> tuple[tuple[int, float], tuple[int, float]] | None:
+    """``((step, lowest loss), (step, last loss))`` before the break, when the loss grew tenfold in between.
     Only the losses of steps before the break count: after it the loss (and the scale) restarting from
     skipped steps says nothing about how training went."""
+    d = report.diagnosis
+    if not d.broke:
+        return None
+    finite = [(t["step"], t["loss"]) for t in report.timeline if t["loss"] is not None and math.isfinite(t["loss"])
+              and (d.step is None or t["step"] < d.step)]
+    if len(finite) < 3:
+        return None
+    low, last = min(finite, key=lambda p: p[1]), finite[-1]
+    return (low, last) if low[1] > 0 and last[1] > 10 * low[1] and last[0] > low[0] else None
+
+
+def clip_fix(scaler: ScalerHealth | None) -> str:
+    """Gradient clipping as the run's loop would write it: with a GradScaler the gradients are unscaled first
+    (clipping scaled ones clips at the wrong norm), without one they are clipped as they are."""
+    if scaler is not None and scaler.state != "none":
+        return ("`scaler.unscale_(opt); torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)` before "
+                "`scaler.step(opt)`")
+    return "`torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)` before `opt.step()`"
+
+
+def divergence_advice(report: Report, scaler: ScalerHealth | None = None) -> list[str]:
+    """Not a precision problem: bisect's not_precision verdict, or a loss that grew tenfold before it broke.
+    ``scaler``: the run's GradScaler record (:func:`~.scaler_health.scaler_health`, computed when not given),
+    which decides how the clipping snippet reads."""
+    if scaler is None:
+        scaler = scaler_health(report)
     d = report.diagnosis
     b = report.bisect or {}
     out = []
     if b.get("verdict") == "not_precision":
         out.append("bisect: training breaks with every layer in FP32 too, so this is not a precision problem: "
                    "look at the learning rate, warmup, gradient clipping and the data.")
-    broke_at = d.step if d.broke else None
-    finite = [(t["step"], t["loss"]) for t in report.timeline if t["loss"] is not None and math.isfinite(t["loss"])
-              and (broke_at is None or t["step"] < broke_at)]
-    grew = False
-    if d.broke and len(finite) >= 3:
-        lo_step, lo = min(finite, key=lambda p: p[1])
-        last_step, last = finite[-1]
-        grew = lo > 0 and last > 10 * lo and last_step > lo_step
-    fix = ("Lower the learning rate, add warmup, and clip gradients (`scaler.unscale_(opt); "
-           "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)` before `scaler.step(opt)`).")
+    grew = _growth(report)
+    fix = f"Lower the learning rate, add warmup, and clip gradients ({clip_fix(scaler)})."
     if grew:
+        (lo_step, lo), (last_step, last) = grew
         out.append(f"The loss grew from {fmt_num(lo)} (step {lo_step}) to {fmt_num(last)} (step {last_step}) "
                    f"before training broke: an optimisation divergence. {fix}")
     elif d.reason == "divergence":
