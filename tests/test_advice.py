@@ -667,3 +667,26 @@ def test_a_nonfinite_gradient_from_the_loss_blames_the_loss_scale_only_when_ther
     assert "from the loss was non-finite at step 2: the loss overflowed" in text, text
     text = "\n".join(build_report(trace(tmp_path / "b.sqlite", True)).advice)
     assert "the loss (times the loss scale) overflowed" in text, text
+
+
+def test_a_scaled_gradient_from_the_loss_says_so_when_picked_from_the_scalers_skips(tmp_path):
+    """The gradient events of skipped steps are written only while a GradScaler scales the loss and do not
+    say so: the first non-finite value picked from them lost "(scaled by the GradScaler)", and the advice
+    its "(times the loss scale)"."""
+    from ampdoctor.trace import TraceWriter
+
+    w = TraceWriter(tmp_path / "t.sqlite")
+    w.set_meta(format="fp16", every=1, status="finished", argv=["synthetic"])
+    w.add_layers([(0, "lin", "Linear", 0, 1, None)])
+    for step in range(16):
+        skip = int(step >= 4)
+        w.add_step((step, 1.0, 2.0 ** (16 - max(0, step - 3)), skip, min(step + 1, 4), 1, float(step)))
+        if skip:
+            w.add_event(step, "grad_nonfinite", "lin", kind="gradient", from_loss=True)
+    w.commit()
+    w.close()
+    rep = build_report(tmp_path / "t.sqlite")
+    assert (rep.diagnosis.broke, rep.diagnosis.reason) == (True, "skipped_steps"), rep.diagnosis
+    assert rep.diagnosis.first_nonfinite["scaled"] is True
+    assert any(x.endswith("from the loss (scaled by the GradScaler).") for x in rep.diagnosis.lines), rep.diagnosis.lines
+    assert "the loss (times the loss scale) overflowed" in "\n".join(rep.advice), rep.advice

@@ -394,6 +394,8 @@ def _pick_first_nonfinite(events: list[dict], decision: Any) -> dict | None:
     if pick is None:
         return None
     d = dict(pick["detail"])
+    if pick["kind"] == "grad_nonfinite":
+        d.setdefault("scaled", True)  # (written only while a GradScaler scales the loss, and without saying so)
     d.update(layer=pick["layer"], step=pick["step"], kind=d.get("kind"))
     return d
 
