@@ -690,3 +690,98 @@ def test_a_scaled_gradient_from_the_loss_says_so_when_picked_from_the_scalers_sk
     assert rep.diagnosis.first_nonfinite["scaled"] is True
     assert any(x.endswith("from the loss (scaled by the GradScaler).") for x in rep.diagnosis.lines), rep.diagnosis.lines
     assert "the loss (times the loss scale) overflowed" in "\n".join(rep.advice), rep.advice
+
+
+# -- a huge init_scale: start-up backoffs, then healthy training ---------------------------------------------
+def _scaler_trace(path: Path, scales: list[float], skipped: list[int], *, loss_events: bool = False) -> Path:
+    """A GradScaler's timeline alone, optimizer steps counted as taken (synthetic_trace counts one a step);
+    ``loss_events``: each skipped step's gradient came in non-finite from the (scaled) loss."""
+    from ampdoctor.trace import TraceWriter
+
+    w = TraceWriter(path)
+    w.set_meta(format="fp16", every=1, status="finished", argv=["synthetic"])
+    w.add_layers([(0, "lin", "Linear", 0, 1, None)])
+    taken = 0
+    for step, (scale, skip) in enumerate(zip(scales, skipped)):
+        taken += 0 if skip else 1
+        w.add_step((step, 0.5, scale, skip, taken, 1, float(step)))
+        if skip and loss_events:
+            w.add_event(step, "grad_nonfinite", "lin", kind="gradient", from_loss=True)
+    w.commit()
+    w.close()
+    return path
+
+
+def test_a_huge_init_scale_is_start_up_backoffs_in_the_diagnosis_too(tmp_path):
+    """GradScaler(init_scale=2**40) on a healthy model: 22 skips while the scale halves to 2**18, then steps.
+    The report said "Training broke at step 0: ... persistent gradient overflow"; scaler_health says start-up."""
+    scales = [2.0 ** (39 - i) for i in range(22)] + [2.0 ** 18] * 18
+    p = _scaler_trace(tmp_path / "t.sqlite", scales, [1] * 22 + [0] * 18)
+    rep = build_report(p)
+    assert scaler_health(rep).state == "startup"
+    assert not rep.diagnosis.broke and rep.diagnosis.lines[0] == "Training did not break in the 40 steps seen."
+    assert ("GradScaler skipped 22 of 40 steps: 22 start-up backoffs (its scale fell from 2**40 to 2**18 before the "
+            "first optimizer step).") in rep.diagnosis.lines, rep.diagnosis.lines
+    text = "\n".join(rep.diagnosis.lines + rep.advice)
+    assert "persistent" not in text and "broke" not in text and "are normal" not in text, text
+    line = next(a for a in rep.advice if "start-up backoffs" in a)
+    assert line.startswith("GradScaler: 22 of 40 steps skipped: 22 start-up backoffs, the scale falling from 2**40 to "
+                           "2**18 before the first optimizer step, then training went on: not a failure"), line
+    assert line.endswith("A smaller init_scale avoids them: the default 2**16 (`torch.amp.GradScaler()`), which these "
+                         "gradients fit."), line
+    # settling at 2**12 instead: the default would still back off 4 times
+    scales = [2.0 ** (39 - i) for i in range(28)] + [2.0 ** 12] * 12
+    p = _scaler_trace(tmp_path / "t2.sqlite", scales, [1] * 28 + [0] * 12)
+    line = next(a for a in build_report(p).advice if "start-up backoffs" in a)
+    assert "from 2**40 to 2**12" in line and line.endswith("which would take 4 of them."), line
+    # an ordinary start (the default 2**16, three backoffs) is still normal
+    scales = [2.0 ** 15, 2.0 ** 14, 2.0 ** 13] + [2.0 ** 13] * 7
+    p = _scaler_trace(tmp_path / "t3.sqlite", scales, [1, 1, 1] + [0] * 7)
+    assert "3 start-up backoffs (2**16 -> 2**13) are normal" in "\n".join(build_report(p).advice)
+
+
+def test_a_run_that_ended_inside_a_long_backoff_is_told_what_it_was(tmp_path):
+    """The run ended after 22 skips whose scale halved each time (longer than the oracle's start-up grace of 20:
+    a failure, as bisect's oracle counts it): said as such, not as "persistent gradient overflow"; the advice
+    does not tell the loss to go to FP32 for the scale's overflow."""
+    p = _scaler_trace(tmp_path / "t.sqlite", [2.0 ** (39 - i) for i in range(22)], [1] * 22, loss_events=True)
+    rep = build_report(p)
+    assert (rep.diagnosis.broke, rep.diagnosis.step, rep.diagnosis.reason) == (True, 0, "skipped_steps")
+    assert rep.diagnosis.lines[0] == (
+        "Training broke at step 0: the GradScaler skipped all 22 steps, its scale falling at each from 2**40 to 2**18: "
+        "start-up backoffs that had not ended after more than 20 steps (an init_scale far above what the gradients fit, "
+        "or gradients that overflow at every scale).")
+    text = "\n".join(rep.advice)
+    assert "compute the loss in FP32" not in text and "persistent" not in text, text
+    assert "an init_scale of 2**40 is above the default 2**16: a smaller one ends them sooner." in text, text
+
+
+def test_a_real_run_with_init_scale_2_to_the_40_is_not_broken(tmp_path):
+    import torch
+    from torch import nn
+
+    import ampdoctor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40)
+    gen = torch.Generator().manual_seed(1)
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")):
+        for _ in range(40):
+            x = torch.randn(16, 8, generator=gen)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(model(x).float(), x[:, :1] * 3)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    rep = build_report(tmp_path / "t.sqlite")
+    h = scaler_health(rep)
+    assert h.state in ("startup", "occasional") and h.startup_backoffs >= 20, h
+    assert not rep.diagnosis.broke and rep.diagnosis.first_nonfinite is None, rep.diagnosis
+    settled = f"2**{40 - h.startup_backoffs}"
+    assert any(x.startswith(f"GradScaler skipped {h.skipped} of 40 steps: {h.startup_backoffs} start-up backoffs "
+                            f"(its scale fell from 2**40 to {settled} before") for x in rep.diagnosis.lines), rep.diagnosis
+    text = "\n".join(rep.advice)
+    assert "not a failure" in text and "persistent" not in text and "compute the loss in FP32" not in text, text

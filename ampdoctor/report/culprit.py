@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 from ..naming import half_weights_under, is_torch_module, plain_fix, root_hint, wrapped_hint, wrapper_of
-from .model import LayerRow, Report
+from .model import LayerRow, Report, startup_backoffs
 from .phrasing import fmt_num, module_expr
 
 __all__ = ["MATMUL_OPS", "culprits", "culprit_advice", "attention_advice"]
@@ -97,6 +97,10 @@ def culprit_advice(report: Report) -> list[str]:
             return [f"The first non-finite value ({fn.get('layer') or '(root)'}'s {what} at step {fn.get('step')}) was "
                     "produced in FP32 (every activation of this run was float32): keeping a layer in FP32 will not "
                     "help; look at the learning rate, the data and the loss."]
+        n_start = startup_backoffs(report.timeline)
+        if fn.get("from_loss") and fn.get("scaled") and n_start and fn.get("step") is not None \
+                and fn["step"] <= report.timeline[n_start - 1]["step"]:
+            return []  # the loss scale's overflow at a start-up backoff (the scaler's advice says what to change)
         if fn.get("from_loss"):
             scaled = " (times the loss scale)" if fn.get("scaled") else ""  # (no GradScaler: no scale to blame)
             return [f"The gradient entering the model from the loss was non-finite at step {fn.get('step')}: the loss"

@@ -223,6 +223,32 @@ def never_stepped(timeline: list[dict]) -> bool:
                                   for t in timeline)
 
 
+def startup_backoffs(timeline: list[dict]) -> int:
+    """How many steps the run began with that the GradScaler skipped with a finite loss (or none recorded):
+    its start-up backoffs, while the scale falls from ``init_scale`` to one the gradients fit. A skip
+    whose loss was NaN/Inf is not one: the forward broke, no scale fixes that."""
+    n = 0
+    for t in timeline:
+        if not (t.get("skipped") and (t.get("loss") is None or math.isfinite(t["loss"]))):
+            break
+        n += 1
+    return n
+
+
+def backoff_scales(timeline: list[dict], n: int) -> tuple[float, float] | None:
+    """``(init_scale, scale after the n-th skip)`` when the scale fell at every one of the first ``n`` steps
+    (a GradScaler backing off: the timeline holds the scale after each update, so the one before the first
+    skip is taken as twice the first, the default backoff_factor); None when a scale is missing or held."""
+    scales = [t.get("scale") for t in timeline[:n]]
+    if not n or any(not v for v in scales) or any(b >= a for a, b in zip(scales, scales[1:])):
+        return None
+    return 2.0 * float(scales[0]), float(scales[-1])
+
+
+def _lg(v: float) -> str:
+    return f"2**{math.log2(v):.0f}"
+
+
 def nan_without_inf(rows: list[LayerRow]) -> bool:
     """The recorded gradients held NaN but no Inf. A loss scale too high for the gradients makes them
     overflow, to Inf in a half-precision tensor (a value past fp16's max in an FP32 gradient skips no
@@ -269,12 +295,15 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
         decision = Decision("fail", fwd_events[0]["step"], "nonfinite_loss")
     fn = _pick_first_nonfinite(events, decision)
     skipped = sum(1 for t in timeline if t["skipped"])
+    n_start = startup_backoffs(timeline)
+    backoff = backoff_scales(timeline, n_start)
     lines = []
     status = meta.get("status", "?")
     if not timeline:
         lines.append("No training step was seen: no optimizer.step() / GradScaler.update() ran while watching. "
                      "Did the script train, and was watch() called before the training loop?")
     elif decision is not None:
+        all_skipped = never_stepped(timeline)
         how = {
             "nonfinite_loss": "the loss became non-finite (NaN/Inf)",
             "nonfinite_params": "parameters became non-finite",
@@ -285,6 +314,12 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
         if nan_skips:
             how = (f"the GradScaler skipped all {len(timeline)} steps, and their gradients held NaN without any "
                    "Inf (an invalid operation in the backward, not a loss scale too high)")
+        elif decision.reason == "skipped_steps" and all_skipped and backoff is not None:
+            # (the oracle fails a backoff longer than its start-up grace only if the run ends inside it)
+            how = (f"the GradScaler skipped all {len(timeline)} steps, its scale falling at each from "
+                   f"{_lg(backoff[0])} to {_lg(backoff[1])}: start-up backoffs that had not ended after more than "
+                   f"{oracle.cfg.startup_grace} steps (an init_scale far above what the gradients fit, or gradients "
+                   "that overflow at every scale)")
         lines.append(f"Training broke at step {decision.step}: {how}.")
     elif stuck:
         lines.append(f"Training did not break in the {len(timeline)} steps seen, but took no optimizer step: the "
@@ -314,7 +349,11 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
                      "the first non-finite value may come a few steps earlier; rerun with --every 1 to pin it.")
     if skipped:
         partial = partial_skips(timeline)
-        lines.append(f"GradScaler skipped {skipped} of {len(timeline)} steps" + (
+        start = ""
+        if backoff is not None and n_start < len(timeline):
+            start = (f": {n_start} start-up backoffs (its scale fell from {_lg(backoff[0])} to {_lg(backoff[1])} before "
+                     "the first optimizer step)" + (f", {skipped - n_start} after" if skipped > n_start else ""))
+        lines.append(f"GradScaler skipped {skipped} of {len(timeline)} steps{start}" + (
             f" (in {partial} of them another optimizer still stepped: with several optimizers on one GradScaler, "
             "a step skips only those whose gradients held Inf/NaN)." if partial else "."))
     ran = meta.get("activation_dtype")

@@ -10,12 +10,13 @@ from dataclasses import dataclass
 
 from ..oracle import NAN_SKIPS
 from .lossscale import LossScaleAnalysis
-from .model import Report, nan_without_inf, never_stepped
+from .model import Report, nan_without_inf, never_stepped, startup_backoffs
 from .phrasing import pow2, scale_literal
 
 __all__ = ["HUGE_SCALE", "ScalerHealth", "scaler_health", "scaler_advice"]
 
 HUGE_SCALE = 2.0 ** 32    # a scale this large means the gradients are tiny, or overflow checks never fire
+DEFAULT_INIT_SCALE = 2.0 ** 16  # torch.amp.GradScaler's init_scale
 
 
 @dataclass
@@ -51,9 +52,7 @@ def scaler_health(report: Report) -> ScalerHealth:
     # a skip whose loss was NaN/Inf is not a start-up backoff: the forward broke, no scale fixes that
     loss_ok = [t.get("loss") is None or math.isfinite(t["loss"]) for t in tl]
     bad_loss = sum(1 for s, ok in zip(skipped, loss_ok) if s and not ok)
-    startup = 0
-    while startup < len(skipped) and skipped[startup] and loss_ok[startup]:
-        startup += 1
+    startup = startup_backoffs(tl)
     after = skipped[startup:]
     n_after = sum(after)
     # only a skip with a finite loss is the scale's own overflow; "keeps growing into overflow" also needs
@@ -124,22 +123,37 @@ def scaler_advice(report: Report, h: ScalerHealth, ls: LossScaleAnalysis | None)
                 "and a scale too high for the gradients makes them overflow to Inf, not NaN. NaN comes from an invalid "
                 "operation in a layer's backward (inf*0, inf-inf, 0/0; often a value that overflowed inside its forward, "
                 "such as `x ** 3`), at any scale: fix that layer (above); a lower init_scale will not help."]
+    high = h.first_scale is not None and h.first_scale > DEFAULT_INIT_SCALE
     if h.state == "unsettled":
         return [f"{base} and none taken yet; the scale fell from {lg(h.first_scale)} to {lg(h.min_scale)}. Start-up "
                 "backoffs end once the scale fits the gradients, usually within a few steps; these had not ended "
                 "when the run did. Run more steps to tell them from a failure (more than 20 in a row count as one)"
                 + (f"; `GradScaler(init_scale={scale_literal(ls.k_rec)})` would start where the recorded gradients "
-                   "fit." if ls and ls.feasible else ".")]
+                   "fit." if ls and ls.feasible else
+                   f"; an init_scale of {lg(h.first_scale)} is above the default {lg(DEFAULT_INIT_SCALE)}: a smaller one "
+                   "ends them sooner." if high else ".")]
     out = []
-    if h.startup_backoffs:
+    settled = h.first_scale / 2 ** h.startup_backoffs if h.first_scale else None  # the scale start-up ended at
+    if h.startup_backoffs and high and settled:
+        # a huge init_scale (2**40): many backoffs, then training went on; not a failure, and not "normal" either
+        default = max(0, math.ceil(math.log2(DEFAULT_INIT_SCALE / settled)))
+        out.append(f"{base}: {h.startup_backoffs} start-up backoffs, the scale falling from {lg(h.first_scale)} to "
+                   f"{lg(settled)} before the first optimizer step, then training went on: not a failure, but an "
+                   f"init_scale of {lg(h.first_scale)} is far above what these gradients fit. A smaller init_scale "
+                   "avoids them: " + (f"`GradScaler(init_scale={scale_literal(ls.k_rec)})`, or " if ls and ls.feasible
+                                      else "")
+                   + f"the default {lg(DEFAULT_INIT_SCALE)} (`torch.amp.GradScaler()`)"
+                   + (f", which would take {default} of them." if default else ", which these gradients fit."))
+    elif h.startup_backoffs:
         out.append(f"{base}: {h.startup_backoffs} start-up backoffs ({lg(h.first_scale)} -> "
-                   f"{lg(h.first_scale / 2 ** h.startup_backoffs)}) are normal; "
+                   f"{lg(settled)}) are normal; "
                    + (f"`GradScaler(init_scale={scale_literal(ls.k_rec)})` avoids them." if ls and ls.feasible
                       else "a lower init_scale avoids them."))
     if h.state == "occasional":
         finite = " with a finite loss" if h.nonfinite_loss_skips else ""
+        since = settled if h.startup_backoffs and settled else h.first_scale  # (the backoffs are said apart)
         out.append(f"{base}, {h.overflow_after_startup}{finite} after start-up: occasional overflow that the scaler backs off "
-                   f"from (scale {lg(h.first_scale)} -> {lg(h.last_scale)})"
+                   f"from (scale {lg(since)} -> {lg(h.last_scale)}{' after start-up' if since != h.first_scale else ''})"
                    + ("." if h.nonfinite_loss_skips else "; normal for a dynamic loss scale."))
     if h.state == "frequent":
         out.append(f"GradScaler skipped {h.overflow_after_startup} steps after start-up: the scale keeps growing into "
