@@ -33,8 +33,15 @@ pairs its enter and exit correctly. :meth:`Fp32Handle.remove` removes both hooks
 parameters and buffers back in their original dtype (same objects), is idempotent, and
 the handle is a context manager.
 
-Limits: a parameter shared with a module that is not forced (tied embeddings) is upcast
-for both; optimizer state created before the upcast keeps its old dtype, so call
+A half/bf16 parameter (or buffer) that a module outside the kept one also holds (tied embeddings:
+GPT-2's ``lm_head.weight`` is ``wte.weight``) is not upcast, as that would change it for the other
+module too: it keeps its dtype and stays tied, and for each call the pre-hook puts an FP32 copy
+(``t.float()``, so the gradient flows back to it in its dtype) in its place in the module's
+``_parameters``/``_buffers`` table, which the post-hook puts back (``torch.func.functional_call``'s
+way). Such ties are found once per tensor from the tensors' referrers (``keep_fp32`` is not given
+the model); :func:`force_fp32` (``tied="upcast"``) upcasts instead and forces the partner module too.
+
+Limits: optimizer state created before the upcast keeps its old dtype, so call
 ``keep_fp32`` before building the optimizer of a pure half-precision model. Float64 inputs
 are left as they are (forcing never lowers precision). ``remove()`` puts a tensor back to the
 dtype it last had before being upcast, and leaves one the user cast since (``model.double()``)
@@ -46,6 +53,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import gc
 import logging
 import threading
 import weakref
@@ -236,17 +244,24 @@ class _Guard:
 class Fp32Handle:
     """Keeps one module in FP32 until :meth:`remove` (or the end of a ``with`` block)."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, *, tied: str = "copy") -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(
                 f"keep_fp32 expects an nn.Module, got {type(module).__name__}; pass the layer "
                 "itself, e.g. keep_fp32(model.blocks[3].attn)"
             )
+        if tied not in ("copy", "upcast"):
+            raise ValueError(f"tied={tied!r}; expected 'copy' or 'upcast'")
         self._module_ref = weakref.ref(module)
         self._name = type(module).__name__
         self._local = threading.local()
         # id(tensor) -> (tensor, original dtype); tensors kept alive so ids stay unique.
         self._upcast: dict[int, tuple[torch.Tensor, torch.dtype]] = {}
+        # "copy": a half/bf16 tensor that a module outside this one also holds (a tied weight) keeps its dtype,
+        # and each forward computes from an FP32 copy of it (id -> (tensor, dtype) here); "upcast": it is made
+        # float32 like the others (force_fp32, which forces the partner module too)
+        self._tied = tied
+        self._copied: dict[int, tuple[torch.Tensor, torch.dtype]] = {}
         self._removed = False
         self._upcast_params(module)
         self._pre = module.register_forward_pre_hook(self._pre_hook, with_kwargs=True, prepend=True)
@@ -289,6 +304,7 @@ class Fp32Handle:
         finally:
             self._guard.release()
             self._restore_params()
+            self._copied.clear()
 
     def __enter__(self) -> Fp32Handle:
         return self
@@ -315,14 +331,24 @@ class Fp32Handle:
         self._guard = _Guard.of(self, not self._removed)  # the copy's hooks force its module too
 
     # -- internals ----------------------------------------------------------------------
-    def _stack(self) -> list[tuple[list[torch.autocast], torch.dtype | None]]:
+    def _stack(self) -> list[tuple[list[torch.autocast], torch.dtype | None, list]]:
         stack = getattr(self._local, "stack", None)
         if stack is None:
             stack = self._local.stack = []
         return stack
 
     def _upcast_params(self, module: nn.Module) -> None:
-        for t in (*module.parameters(), *module.buffers()):
+        tensors = (*module.parameters(), *module.buffers())
+        shared: set[int] = set()
+        if self._tied == "copy":
+            new = [t for t in tensors if t.dtype in _LOW_PRECISION and id(t) not in self._copied]
+            if new:  # (a pure half model: once, or again after the model was cast since)
+                shared = _held_outside(module, new)
+        for t in tensors:
+            if id(t) in shared or id(t) in self._copied:
+                if t.dtype in _LOW_PRECISION:
+                    self._copied[id(t)] = (t, t.dtype)
+                continue
             if t.dtype not in _LOW_PRECISION:
                 hit = _UPCAST_FROM.get(id(t)) if t.dtype == torch.float32 and id(t) not in self._upcast else None
                 if hit is not None and hit[0]() is t:  # (shared with another kept module, which upcast it)
@@ -349,9 +375,31 @@ class Fp32Handle:
                     t.grad = grad.to(dtype)
         self._upcast.clear()
 
+    def _swap_in_copies(self, module: nn.Module) -> list[tuple[nn.Module, str, str, torch.Tensor]]:
+        """Put an FP32 copy (``tensor.float()``: gradients flow back to the tensor, in its dtype) in place of
+        each tied half/bf16 tensor of ``module`` and its submodules for one call; returns what to put back."""
+        swaps: list[tuple[nn.Module, str, str, torch.Tensor]] = []
+        if not self._copied:
+            return swaps
+        casts: dict[int, torch.Tensor] = {}
+        for sub in module.modules():
+            for where in ("_parameters", "_buffers"):
+                table = getattr(sub, where)
+                for name, t in table.items():
+                    if t is None or id(t) not in self._copied or t.dtype not in _LOW_PRECISION:
+                        continue
+                    cast = casts.get(id(t))
+                    if cast is None:
+                        cast = casts[id(t)] = t.float()
+                    swaps.append((sub, where, name, t))
+                    table[name] = cast
+        return swaps
+
     @staticmethod
-    def _exit_frame(frame: tuple[list[torch.autocast], torch.dtype | None]) -> None:
-        contexts, _ = frame
+    def _exit_frame(frame: tuple[list[torch.autocast], torch.dtype | None, list]) -> None:
+        contexts, _, swaps = frame
+        for sub, where, name, t in reversed(swaps):
+            getattr(sub, where)[name] = t
         for ctx in reversed(contexts):
             ctx.__exit__(None, None, None)
 
@@ -362,8 +410,9 @@ class Fp32Handle:
         if cast_back is None and not devices and not _has_floating((args, kwargs)):
             # No floating input to take the dtype from (an Embedding's indices): the rest of a
             # pure half model expects what the module produced before, its parameters' dtype.
-            cast_back = next((dt for _, dt in self._upcast.values()), None)
+            cast_back = next((dt for _, dt in (*self._upcast.values(), *self._copied.values())), None)
         contexts: list[torch.autocast] = []
+        swaps: list = []
         try:
             for dev in devices:
                 ctx = torch.autocast(dev, enabled=False)
@@ -371,10 +420,11 @@ class Fp32Handle:
                 contexts.append(ctx)
             new_args = _map_floats(args, _to_fp32)
             new_kwargs = _map_floats(kwargs, _to_fp32)
+            swaps = self._swap_in_copies(module)
         except BaseException:
-            self._exit_frame((contexts, None))
+            self._exit_frame((contexts, None, swaps))
             raise
-        self._stack().append((contexts, cast_back))
+        self._stack().append((contexts, cast_back, swaps))
         _Fp32Region.enter()
         return new_args, new_kwargs
 
@@ -436,7 +486,8 @@ class Fp32Group:
 def keep_fp32(module: nn.Module) -> Fp32Handle:
     """Run ``module``'s forward in FP32 from now on: autocast disabled inside it, its
     low-precision floating inputs cast to float32; in a pure half/bf16 model its
-    parameters and buffers become float32 and its outputs are cast back to the input dtype.
+    parameters and buffers become float32 (those tied to a module outside it keep their dtype,
+    and each call computes from an FP32 copy) and its outputs are cast back to the input dtype.
 
     Returns a handle; ``handle.remove()`` (or leaving ``with keep_fp32(m):``) restores the
     module exactly. Does not sync with the GPU.
@@ -459,6 +510,31 @@ def resolve_modules(model: nn.Module, names: Iterable[str], *, what: str = "forc
             )
         out.append((name, table[name]))
     return out
+
+
+def _held_outside(module: nn.Module, tensors: list[torch.Tensor]) -> set[int]:
+    """ids of the ``tensors`` (parameters/buffers of ``module``) that a module outside ``module`` also holds:
+    a weight tied to another module's (GPT-2's ``lm_head.weight`` is ``wte.weight``). ``keep_fp32`` is given
+    the module alone, not the model, so the owners are found as the referrers of the tensors: the
+    ``_parameters``/``_buffers`` tables that hold them, and the modules' ``__dict__`` that hold those (two
+    ``gc.get_referrers`` scans, done once per half/bf16 tensor, never under autocast with FP32 parameters)."""
+    inside = {id(getattr(sub, where)) for sub in module.modules() for where in ("_parameters", "_buffers")}
+    want = {id(t) for t in tensors}
+    tables = [r for r in gc.get_referrers(*tensors)
+              if isinstance(r, dict) and id(r) not in inside and any(id(v) in want for v in r.values())]
+    if not tables:
+        return set()
+    ids = {id(t) for t in tables}
+    owned = set()
+    for r in gc.get_referrers(*tables):
+        if isinstance(r, nn.Module):
+            found = [getattr(r, w, None) for w in ("_parameters", "_buffers")]
+        elif isinstance(r, dict):
+            found = [r.get(w) for w in ("_parameters", "_buffers")]
+        else:
+            continue
+        owned.update(id(f) for f in found if f is not None and id(f) in ids)
+    return {id(v) for t in tables if id(t) in owned for v in t.values() if id(v) in want}
 
 
 def _tied_partners(model: nn.Module, resolved: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
@@ -496,7 +572,7 @@ def force_fp32(model: nn.Module, names: Iterable[str]) -> Fp32Group:
             if id(module) in seen:  # the same module reachable under two names
                 continue
             seen.add(id(module))
-            handles.append(Fp32Handle(module))
+            handles.append(Fp32Handle(module, tied="upcast"))  # (the partners are forced too: see _tied_partners)
     except BaseException:
         for h in reversed(handles):
             h.remove()

@@ -410,3 +410,91 @@ def test_force_fp32_of_one_tied_module_forces_its_partner_in_a_half_model():
     m = Tied().half()  # an untied module forces nothing more
     with force_fp32(m, ["mid"]) as g:
         assert g.names == ["mid"] and m.wte.weight.dtype == torch.float16
+
+
+class _TiedLM(nn.Module):
+    """GPT-2 style: the output head's weight is the input embedding's (``lm_head.weight = wte.weight``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(16, 8)
+        self.mid = nn.Linear(8, 8)
+        self.lm_head = nn.Linear(8, 16, bias=False)
+        self.lm_head.weight = self.wte.weight
+
+    def forward(self, ids):
+        return self.lm_head(torch.relu(self.mid(self.wte(ids))))
+
+
+class _LinearDtypes(torch.overrides.TorchFunctionMode):
+    """The dtypes of (input, weight) of every F.linear call."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[torch.dtype, torch.dtype]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.linear:
+            self.seen.append((args[0].dtype, args[1].dtype))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_keep_fp32_of_a_tied_head_in_a_half_model_keeps_the_tie(dtype):
+    """keep_fp32(model.lm_head) on a pure .half() model whose head is tied to the embedding (the report's
+    advice for GPT-2): the shared weight was made float32 for the embedding too, whose fp32 output then
+    met mid's half weight (a dtype error). Now the head computes from an FP32 copy of the shared weight,
+    which stays one half Parameter, tied; its gradient comes back through the cast."""
+    torch.manual_seed(0)
+    m = _TiedLM().to(dtype)
+    w = m.wte.weight
+    before = (w.detach().clone(), {k: v.dtype for k, v in m.state_dict().items()})
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    ids = torch.randint(0, 16, (2, 5))
+    h = keep_fp32(m.lm_head)
+    assert m.lm_head.weight is w and w.dtype == dtype
+    mode = _LinearDtypes()
+    with mode:
+        out = m(ids)
+    assert out.dtype == dtype  # the rest of the model sees what it saw before
+    assert mode.seen == [(dtype, dtype), (torch.float32, torch.float32)]  # mid in half, the head in FP32
+    out.float().pow(2).mean().backward()
+    assert w.grad is not None and w.grad.dtype == dtype and torch.isfinite(w.grad).all()
+    opt.step()
+    assert m.lm_head.weight is m.wte.weight is w and w.dtype == dtype and not torch.equal(w.detach(), before[0])
+    assert isinstance(m.lm_head._parameters["weight"], nn.Parameter)  # the copy was only there during the call
+    # the head's output in FP32 is the FP32 matmul of a half model's activations, cast back
+    with torch.no_grad():
+        x = torch.relu(m.mid(m.wte(ids)))
+        assert torch.equal(m(ids), (x.float() @ w.float().t()).to(dtype))
+    h.remove()
+    h.remove()
+    assert _hook_state(m.lm_head) == (0, 0, 0, 0, 0)
+    assert m.lm_head.weight is m.wte.weight is w and {k: v.dtype for k, v in m.state_dict().items()} == before[1]
+    with _LinearDtypes() as mode:
+        m(ids)
+    assert mode.seen == [(dtype, dtype)] * 2
+
+
+def test_keep_fp32_of_a_tied_embedding_and_of_both_ends():
+    """The other end (the embedding, whose input is indices): its output goes back to the weight's dtype.
+    Both ends kept, each by its own keep_fp32: still one half Parameter, both compute in FP32."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, 16, (2, 5))
+    m = _TiedLM().half()
+    with keep_fp32(m.wte):
+        out = m(ids)
+        assert out.dtype == torch.float16 and m.wte.weight.dtype == torch.float16
+        out.float().sum().backward()
+    assert m.wte.weight.grad.dtype == torch.float16 and m.lm_head.weight is m.wte.weight
+    m = _TiedLM().half()
+    with keep_fp32(m.wte), keep_fp32(m.lm_head), _LinearDtypes() as mode:
+        assert m(ids).dtype == torch.float16
+    assert mode.seen == [(torch.float16, torch.float16), (torch.float32, torch.float32)]
+    assert m.wte.weight.dtype == torch.float16 and m.lm_head.weight is m.wte.weight
+    # the whole model kept: the tie is inside it, so its parameters become FP32 as in any untied module
+    m = _TiedLM().half()
+    with keep_fp32(m):
+        assert m.wte.weight.dtype == torch.float32 and m.lm_head.weight is m.wte.weight
+        assert m(ids).dtype == torch.float16  # (no floating input: back to the parameters' dtype before)
+    assert m.wte.weight.dtype == torch.float16
