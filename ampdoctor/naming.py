@@ -90,7 +90,8 @@ def plain_fix(path: str, half: str | None, kind: str | None = None, library: boo
     whether ``kind`` is a torch.nn class (else the body of its forward is what to change)."""
     if half:
         return (f"its weights are {half}, so there is no autocast to turn off: `{path}.float()` once (before "
-                f"building the optimizer), and where it is called `y = {path}(x.float()).to(x.dtype)`")
+                f"building the optimizer), and where it is called `y = {path}(x.float()).to(x.dtype)` (a weight tied "
+                "to another module's, as an LM head's to the embedding, would turn FP32 for both: keep_fp32 keeps the tie)")
     if library or kind is None:
         return f"where {path} is called, `with torch.autocast(x.device.type, enabled=False): y = {path}(x.float())`"
     return (f"in {kind}.forward, run the body under `with torch.autocast(x.device.type, enabled=False):` on "

@@ -785,3 +785,14 @@ def test_a_real_run_with_init_scale_2_to_the_40_is_not_broken(tmp_path):
                             f"(its scale fell from 2**40 to {settled} before") for x in rep.diagnosis.lines), rep.diagnosis
     text = "\n".join(rep.advice)
     assert "not a failure" in text and "persistent" not in text and "compute the loss in FP32" not in text, text
+
+
+def test_plain_fix_of_a_half_module_warns_that_a_tied_weight_turns_fp32_for_both():
+    """The plain-PyTorch fix of a module whose weights are stored in half precision converts it with
+    .float(), which a tied weight (an LM head's, the embedding's) would carry into the other module:
+    the snippet says so and points to keep_fp32, which keeps the tie."""
+    from ampdoctor.naming import plain_fix
+
+    half = plain_fix("model.lm_head", "float16")
+    assert "`model.lm_head.float()`" in half and "tied" in half and "keep_fp32 keeps the tie" in half
+    assert "tied" not in plain_fix("model.lm_head", None)
