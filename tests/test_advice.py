@@ -560,6 +560,21 @@ def test_a_scale_that_falls_below_one_and_then_steps_is_not_called_a_layer_fault
     text = "\n".join(rep.advice)
     assert "changing init_scale will not help" not in text, text
     assert "only a scale below 1 fits them" in text, text
+    assert "nothing produced Inf/NaN" in text, text
+
+
+def test_a_scale_below_one_after_nan_losses_does_not_say_nothing_produced_nan(tmp_path):
+    """The same fall below 1, but the loss was NaN in some of the skipped steps (a diverging run): the
+    advice said "nothing produced Inf/NaN" in the item that also says the loss was NaN/Inf."""
+    scales = [2.0 ** (15 - i) for i in range(22)] + [2.0 ** -7] * 8
+    skipped = [1] * 22 + [0] * 8
+    losses = [1.0] * 10 + [float("nan")] * 12 + [1.0] * 8
+    p = synthetic_trace(tmp_path / "below.sqlite", grad_exps=[(10, 30)], scales=scales, skipped=skipped, losses=losses)
+    rep = build_report(p)
+    assert scaler_health(rep).state == "below_one"
+    item = next(a for a in rep.advice if a.startswith("GradScaler:"))
+    assert "The loss itself was NaN/Inf in 12 of the skipped steps" in item, item
+    assert "nothing produced Inf/NaN" not in item and "steps went through at that scale" in item, item
 
 
 def test_bf16_gradients_far_below_its_range_are_not_said_to_fit(tmp_path):

@@ -102,9 +102,12 @@ def scaler_advice(report: Report, h: ScalerHealth, ls: LossScaleAnalysis | None)
                "produces it (see the first non-finite producer), which no loss scale fixes."
                if h.nonfinite_loss_skips else "")
     if h.state == "below_one":
+        # (with a NaN/Inf loss among the skips the forward did produce one: the steps after prove only the scale)
+        went = ("steps went through at that scale" if h.nonfinite_loss_skips else
+                "nothing produced Inf/NaN: the steps after went through")
         return [f"{base}; its scale fell from {lg(h.first_scale)} to {lg(h.min_scale)} before steps were taken again: "
                 f"the unscaled gradients are larger than {report.fmt.name} holds at scale 1, and only a scale below 1 "
-                "fits them (nothing produced Inf/NaN: the steps after went through). Make the loss smaller where it "
+                f"fits them ({went}). Make the loss smaller where it "
                 "is computed (a sum over many elements, a large weight on a loss term), or start the GradScaler "
                 "below 1 (see the loss-scale range) so the first steps are not skipped." + forward]
     if h.state == "collapse":
