@@ -29,7 +29,10 @@ Criteria, each reported as a ``reason``:
     to Inf;
 ``divergence``
     with a reference (FP32 control) loss curve, the final loss is above ``divergence``
-    times the reference loss.
+    times the reference loss; or, with ``blowup`` (bisect sets it for its all-FP32 control), the
+    loss of each of the last ``divergence_window`` steps is above ``blowup`` times its average
+    over the first ``divergence_window`` steps (one bad batch is not enough): a run that diverges
+    in any precision (a learning rate too high) whose loss has not yet turned non-finite in FP32.
 
 The step reported is the first step of the failing streak or window, i.e. where things
 broke, not where the oracle became sure.
@@ -82,6 +85,10 @@ class OracleConfig:
     # divergence_window steps they share, to be robust to batch noise.
     divergence: Optional[float] = None
     divergence_window: int = 5
+    # Fail (divergence) when the loss of divergence_window steps in a row is above this factor
+    # times its average over the first divergence_window steps (None: not judged; judged only for
+    # a positive start). Healthy training does not stay 100x above its initial loss.
+    blowup: Optional[float] = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -97,6 +104,8 @@ class OracleConfig:
             problems.append(f"startup_grace={self.startup_grace} (must be >= 0)")
         if self.divergence is not None and not self.divergence > 0:
             problems.append(f"divergence={self.divergence} (must be > 0 or None)")
+        if self.blowup is not None and not self.blowup > 1:
+            problems.append(f"blowup={self.blowup} (must be > 1 or None)")
         if int(self.divergence_window) < 1:
             problems.append(f"divergence_window={self.divergence_window} (must be >= 1)")
         if problems:
@@ -166,6 +175,8 @@ class Oracle:
         self._backoff_start: Optional[int] = None  # first step of the current run of scale drops
         self._last_scale: Optional[float] = None
         self._observed = 0  # steps observed
+        self._first_losses: list[float] = []  # the first divergence_window finite losses (blowup's base)
+        self._recent: deque[tuple[int, float]] = deque(maxlen=self.cfg.divergence_window)  # the last losses
         self._grads: set[str] = set()  # what the recorded steps' gradients held ("finite", "nan", "inf")
 
     def observe(self, step: int, loss: Optional[float] = None, scale: Optional[float] = None,
@@ -185,7 +196,7 @@ class Oracle:
             self._grads.add(grads)
         if loss is not None:
             self.losses[step] = float(loss)
-        for check in (self._check_params, self._check_loss, self._check_scale, self._check_skips):
+        for check in (self._check_params, self._check_loss, self._check_scale, self._check_skips, self._check_blowup):
             fail = check(step, loss, scale, skipped, params_finite)
             if fail is not None:
                 self.decision = fail
@@ -274,6 +285,29 @@ class Oracle:
         if len(skips) > self.cfg.skip_frac * self.cfg.skip_window:
             return Decision("fail", skips[0], "skipped_steps")
         return None
+
+    def _check_blowup(self, step, loss, scale, skipped, params_finite) -> Optional[Decision]:
+        factor, window = self.cfg.blowup, self.cfg.divergence_window
+        if factor is None or loss is None:
+            return None
+        if len(self._first_losses) < window:
+            if math.isfinite(loss):
+                self._first_losses.append(float(loss))
+            return None
+        self._recent.append((step, float(loss)))
+        base = sum(self._first_losses) / window
+        if base <= 0 or len(self._recent) < window or not all(math.isfinite(v) for _, v in self._recent):
+            return None  # (a non-finite loss is nonfinite_loss's)
+        if min(v for _, v in self._recent) <= factor * base:
+            return None
+        # where it broke: the start of the trailing run of steps above the threshold
+        start = step
+        for s in sorted(self.losses, reverse=True):
+            v = self.losses[s]
+            if math.isfinite(v) and v <= factor * base:
+                break
+            start = s
+        return Decision("fail", start, "divergence")
 
     def _check_divergence(self) -> Optional[Decision]:
         factor = self.cfg.divergence

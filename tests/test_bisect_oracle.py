@@ -38,3 +38,65 @@ def test_search_trials_report_nonfinite_params_where_the_baseline_does(tmp_path)
     reasons = [d["reason"] for d in res["trial_details"]]
     fails = [(t, r) for t, r in zip(res["trials"][1:], reasons[1:]) if t["outcome"] == "fail"]
     assert fails and all(t["step"] == 5 and r == "nonfinite_params" for t, r in fails), res["trials"]
+
+
+def test_a_run_that_diverges_in_fp32_too_is_not_precision(tmp_path):
+    """A learning rate too high: the fp16 run's scale collapses at step 47, the FP32 run's loss grows too
+    and turns non-finite at step 112. The all-FP32 control passed at step 70 (the failure step + margin),
+    and bisect named both heads the culprits. It now fails as soon as its loss is 100x its first steps'."""
+    p = bisect("--out", tmp_path / "b", "--json", tmp_path / "r.json", "--no-drill", SCRIPTS / "lr_diverges.py")
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["verdict"] == "not_precision" and p.returncode == 3, p.stdout + p.stderr
+    assert res["failure"] == {"step": 47, "reason": "scale_collapse"}, res["failure"]
+    base, ctl = res["trials"]
+    assert ctl["fp32"] == [""] and ctl["outcome"] == "fail" and res["trial_details"][1]["reason"] == "divergence"
+    # the control's loss: 0.85 at step 0 (first five steps' mean 0.42), 47 at step 12
+    assert ctl["step"] == 12, ctl
+    assert "the loss grew over 100x its first steps' from step 12" in p.stdout, p.stdout
+
+
+def test_the_all_fp32_control_runs_twice_as_far(tmp_path):
+    """Without the blow-up check the control still runs to twice the other trials' pass_after (140 here),
+    past step 112, where the FP32 loss turns non-finite."""
+    p = bisect("--out", tmp_path / "b", "--json", tmp_path / "r.json", "--no-drill", "--control-blowup", "0",
+               SCRIPTS / "lr_diverges.py")
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["verdict"] == "not_precision", p.stdout + p.stderr
+    assert (res["pass_after"], res["control_pass_after"]) == (70, 140), res
+    assert res["trials"][1]["step"] == 112 and res["trial_details"][1]["reason"] == "nonfinite_loss", res["trials"]
+    assert "with every layer in FP32 it fails too: nonfinite_loss at step 112" in p.stdout
+
+
+def test_control_blowup_is_checked():
+    from click.testing import CliRunner
+
+    from ampdoctor.bisect.cli import bisect_command
+
+    for bad in ("1", "0.5", "-3", "nan"):
+        r = CliRunner().invoke(bisect_command, ["--control-blowup", bad, str(SCRIPTS / "lr_diverges.py")])
+        assert r.exit_code == 2 and "--control-blowup" in r.output and "a factor > 1, or 0" in r.output, (bad, r.output)
+
+
+def test_the_control_gets_twice_the_default_timeout(tmp_path):
+    """It runs twice as far as the other trials: with the default per-trial timeout (3x the baseline +
+    30 s) a slow script's control would time out (inconclusive) where it would have passed."""
+    from ampdoctor.bisect.driver import BisectOptions, run_bisect
+    from ampdoctor.bisect.trials import TrialRunner
+
+    class Recording(TrialRunner):
+        calls: list = []
+
+        def start(self, name, fp32, **kw):
+            self.calls.append((name, kw))
+            return super().start(name, fp32, **kw)
+
+    runner = Recording(str(SCRIPTS / "lr_diverges.py"), [], tmp_path, oracle={})
+    res = run_bisect(str(SCRIPTS / "lr_diverges.py"), [], tmp_path, BisectOptions(drill=False), runner=runner)
+    assert res["verdict"] == "not_precision", res
+    (name, kw), = [c for c in runner.calls if c[0] == "all-fp32"]
+    assert runner.timeout >= 60 and kw["timeout"] == 2 * runner.timeout, (runner.timeout, kw)
+    assert kw["pass_after"] == 140 and kw["oracle"] == {"blowup": 100.0}, kw
+    # a trial's own timeout is the one it is stopped at
+    hang = TrialRunner(str(SCRIPTS / "hangs.py"), [], tmp_path / "h", oracle={}, timeout=600)
+    t = hang.wait(hang.start("hang", [], pass_after=None, timeout=3))
+    assert t.outcome == "timeout" and t.seconds < 30 and "killed after 3s" in t.error, t

@@ -252,6 +252,33 @@ def test_divergence_against_reference():
     assert o.finish().outcome == "pass"
 
 
+def test_blowup_fails_a_loss_that_grows_far_above_its_start():
+    """bisect's all-FP32 control: a learning rate too high grows the loss in any precision; the control
+    passed at the baseline's failure step + margin, long before its own loss turned non-finite."""
+    losses = [1.0, 0.9, 1.1, 1.0, 1.0] + [1.0 * 1.5 ** k for k in range(1, 40)]  # base: mean 1.0
+    o = Oracle(OracleConfig(blowup=100.0))
+    got = [o.observe(s, v) for s, v in enumerate(losses)]
+    # 1.5**12 = 130 > 100 from step 16 (loss index 5 + 11); five steps in a row above it at step 20
+    first = next(i for i, d in enumerate(got) if d is not None)
+    assert first == 20 and got[first] == Decision("fail", 16, "divergence"), got
+    assert 1.5 ** 11 <= 100 < 1.5 ** 12
+    # not without the setting; a noisy loss that stays within the factor passes
+    o = Oracle()
+    assert [o.observe(s, v) for s, v in enumerate(losses)] == [None] * len(losses)
+    o = Oracle(OracleConfig(blowup=100.0))
+    noisy = [1.0] * 5 + [5e7, 0.7, 2e3, 1e9, 0.5] * 10  # single bad batches, never 5 in a row above 100
+    assert [o.observe(s, v) for s, v in enumerate(noisy)] == [None] * len(noisy)
+    assert o.finish().outcome == "pass"
+    # a loss that starts at or below zero is not judged; non-finite losses are nonfinite_loss's
+    o = Oracle(OracleConfig(blowup=100.0))
+    assert [o.observe(s, v) for s, v in enumerate([-1.0] * 5 + [1e9] * 10)] == [None] * 15
+    o = Oracle(OracleConfig(blowup=100.0, nonfinite_k=3))
+    got = [o.observe(s, v) for s, v in enumerate([1.0] * 5 + [1e3, math.inf, math.inf, math.inf])]
+    assert got[-1] == Decision("fail", 6, "nonfinite_loss"), got
+    with pytest.raises(ValueError, match="blowup=1"):
+        OracleConfig(blowup=1.0)
+
+
 def test_divergence_with_negative_losses():
     ref = {s: -1.0 for s in range(10)}
     o = Oracle(OracleConfig(divergence=1.5), reference_losses=ref)

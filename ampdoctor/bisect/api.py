@@ -35,7 +35,8 @@ class InProcessRunner(TrialRunner):
         self.seed = seed
 
     def run(self, name: str, fp32: Sequence[str], *, pass_after: int | None, all_modules: bool = False,
-            probe: Sequence[str] = (), gpu: int | None = None, lite: bool = False) -> Trial:
+            probe: Sequence[str] = (), gpu: int | None = None, lite: bool = False, oracle: dict | None = None,
+            timeout: float | None = None) -> Trial:  # (in-process: a trial cannot be stopped on time)
         import numpy as np
         import torch
 
@@ -45,7 +46,7 @@ class InProcessRunner(TrialRunner):
         folder = self.out / "trials" / f"{index:02d}-{name}"
         folder.mkdir(parents=True, exist_ok=True)
         cfg: RunConfig = self.config(fp32, trace=folder / "trace.sqlite", pass_after=pass_after,
-                                     all_modules=all_modules, probe=probe, lite=lite)
+                                     all_modules=all_modules, probe=probe, lite=lite, oracle=oracle)
         (folder / "config.json").write_text(cfg.to_env())
         random.seed(self.seed)
         np.random.seed(self.seed)
@@ -89,7 +90,8 @@ class InProcessRunner(TrialRunner):
         return trial
 
     def run_many(self, specs, *, pass_after, jobs, gpus=0, lite=False):
-        return [self.run(n, f, pass_after=pass_after, lite=lite) for n, f in specs]
+        return [self.run(n, f, lite=lite, **{"pass_after": pass_after, **(rest[0] if rest else {})})
+                for n, f, *rest in specs]
 
 
 def bisect(train_fn: Callable[[], Any], *, format: str = "fp16", out: str | Path | None = None,

@@ -11,6 +11,7 @@ import click
 from ..formats import FORMATS
 from ..oracle import OracleConfig
 from ..report.culprit import CAME_IN
+from .driver import CONTROL_BLOWUP
 
 _ORACLE = OracleConfig()  # its defaults, shown in --help
 
@@ -88,9 +89,13 @@ def _summary(res: dict) -> str:
               help=f"Window W for the skipped-steps criterion [default: {_ORACLE.skip_window}].")
 @click.option("--skip-frac", type=float, default=None,
               help=f"Fail when more than this fraction of the last W steps were skipped [default: {_ORACLE.skip_frac}]; "
-                   f"the first {_ORACLE.startup_grace} steps of GradScaler start-up backoff never count.")
+                   f"the first {_ORACLE.startup_grace} steps of GradScaler start-up backoff never count (more "
+                   "while the scale halves at each, once a step is taken).")
 @click.option("--divergence", type=float, default=None,
               help="Also fail when the final loss is worse than the FP32 control's by this factor (runs the control first).")
+@click.option("--control-blowup", type=float, default=CONTROL_BLOWUP, show_default=True,
+              help="The all-FP32 control fails (divergence: not a precision problem) when its loss grows above this "
+                   "factor times its first steps'; 0 turns the check off.")
 @click.option("--nproc-per-node", "nproc", type=click.IntRange(min=1), default=1, show_default=True,
               help="Launch every trial through torchrun with N processes (DDP scripts).")
 @click.option("--no-drill", is_flag=True, help="Skip the op-level drill-down run.")
@@ -98,7 +103,7 @@ def _summary(res: dict) -> str:
 @click.argument("script", type=click.Path())
 @click.argument("script_args", nargs=-1, type=click.UNPROCESSED)
 def bisect_command(out, json_path, fmt, jobs, repeat, timeout, max_steps, margin, max_trials, nonfinite_k, scale_floor,
-                   skip_window, skip_frac, divergence, nproc, no_drill, no_hints, script, script_args):
+                   skip_window, skip_frac, divergence, control_blowup, nproc, no_drill, no_hints, script, script_args):
     """Find the smallest set of layers whose FP32 cast makes SCRIPT stop breaking.
 
     Options go before SCRIPT; everything after it (or after `--`) is the script's own.
@@ -111,6 +116,8 @@ def bisect_command(out, json_path, fmt, jobs, repeat, timeout, max_steps, margin
     problem = script_problem(script)
     if problem:
         raise click.UsageError(problem)
+    if not (control_blowup == 0 or control_blowup > 1):  # (NaN too)
+        raise click.BadParameter(f"{control_blowup} (a factor > 1, or 0 for no check)", param_hint="'--control-blowup'")
     if timeout is not None and not timeout > 0:  # (NaN too)
         raise click.BadParameter(f"{timeout} (seconds per trial: must be > 0)", param_hint="'--timeout'")
     oc = {"nonfinite_k": nonfinite_k}
@@ -126,7 +133,8 @@ def bisect_command(out, json_path, fmt, jobs, repeat, timeout, max_steps, margin
     out_problem(out_dir)  # the baseline's trace is copied there at the end
     opts = BisectOptions(fmt=fmt.lower(), oracle=oracle, timeout=timeout, max_steps=max_steps, margin=margin, jobs=jobs,
                          repeat=repeat, drill=not no_drill, max_trials=max_trials, divergence=divergence,
-                         use_hints=not no_hints, nproc=nproc, fork=True)  # this process ran no torch op
+                         use_hints=not no_hints, nproc=nproc, fork=True,  # this process ran no torch op
+                         control_blowup=control_blowup or None)
     click.echo(f"ampdoctor bisect: {script} (run folder {out_dir})", err=True)
     args = _script_args(script_args)
     try:  # `kill` ends the trials too, as Ctrl-C does

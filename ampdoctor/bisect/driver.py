@@ -25,6 +25,13 @@ from .trials import Trial, TrialRunner
 log = logging.getLogger(__name__)
 
 VERDICT_EXIT = {"culprit": 0, "healthy": 0, "error": 1, "not_precision": 3, "inconclusive": 4}
+# The all-FP32 control runs this many times as far as the other trials (pass_after): a run that diverges
+# in any precision (a learning rate too high) often breaks later in FP32 than in fp16, and a control that
+# passed at the failure step + margin made it look like precision's fault.
+CONTROL_HORIZON = 2
+# ... and fails (divergence) once its loss grows above this many times its first steps' (OracleConfig.blowup):
+# a diverging FP32 run is caught before its loss turns non-finite, however far away that is.
+CONTROL_BLOWUP = 100.0
 
 
 @dataclass
@@ -42,6 +49,7 @@ class BisectOptions:
     use_hints: bool = True            # try the layer the baseline trace blames first
     nproc: int = 1                    # launch every trial through torchrun with this many ranks
     fork: bool = False                # fork trials from this process (only if it never ran a torch op)
+    control_blowup: float | None = CONTROL_BLOWUP  # the all-FP32 control fails when its loss grows this much
 
 
 def _gpus() -> int:
@@ -199,13 +207,13 @@ def _bisect(opts: BisectOptions, emit: Callable[[str, dict], None], runner: Tria
     reference = None
     if opts.divergence is not None:
         emit("start", {"name": "fp32-reference"})
-        ctl = record(runner.run("fp32-reference", [""], pass_after=None))
+        ctl = record(runner.run("fp32-reference", [""], pass_after=None, oracle=_control_oracle(opts)))
         reference = _losses(Path(ctl.folder) / "trace.sqlite")
         runner.reference = reference  # every later trial judges divergence against it
         result["fp32_control_losses"] = reference
         if ctl.outcome != "pass":
             return finish("not_precision" if ctl.outcome == "fail" else "inconclusive",
-                          notes=[f"the FP32 reference run did not pass ({ctl.outcome})"])
+                          notes=[f"the FP32 reference run did not pass ({ctl.outcome})"] + _control_notes(ctl, opts))
     emit("start", {"name": "baseline"})
     base = record(runner.run("baseline", [], pass_after=None, all_modules=True))
     base_notes: list[str] = []
@@ -246,9 +254,16 @@ def _bisect(opts: BisectOptions, emit: Callable[[str, dict], None], runner: Tria
                           "culprits are verified up to there; raise --max-steps to verify further")
         pass_after = opts.max_steps
     result["pass_after"] = pass_after
+    control_after = CONTROL_HORIZON * pass_after
+    if opts.max_steps is not None:
+        control_after = min(control_after, opts.max_steps)
+    result["control_pass_after"] = control_after
+    control: dict[str, Any] = {"pass_after": control_after, "oracle": _control_oracle(opts)}
+    if opts.timeout is None and runner.timeout is not None:  # (the default one: it runs further)
+        control["timeout"] = CONTROL_HORIZON * runner.timeout
     root_set = frozenset(n for n in bl.candidates if bl.parent.get(n) is None)
     known: dict[frozenset, str] = {frozenset(): "fail"}
-    first = [("all-fp32", sorted(root_set))]
+    first: list[tuple] = [("all-fp32", sorted(root_set), control)]
     hints = bl.hints if opts.use_hints else []
     if hints:
         first.append(("hint-" + (hints[0] or "root"), [hints[0]]))
@@ -268,12 +283,16 @@ def _bisect(opts: BisectOptions, emit: Callable[[str, dict], None], runner: Tria
         order = [n for n in bl.candidates if n in fp32]
         cache_runs["n"] += 1
         name = "all-fp32" if fp32 == root_set else ("+".join(n or "root" for n in order)[:60] or "none")
-        t = record(runner.run(name.replace("/", "_"), order, pass_after=pass_after, lite=True))
+        kw = control if fp32 == root_set else {"pass_after": pass_after}
+        t = record(runner.run(name.replace("/", "_"), order, lite=True, **kw))
         return t.outcome
 
     sr = find_culprits(bl.candidates, test, parent=bl.parent, hints=hints, repeat=opts.repeat,
                        known=known, max_trials=opts.max_trials, spent=spent)
     notes = base_notes + list(sr.notes)
+    if sr.verdict == "not_precision":
+        ctl = next((t for t in runner.trials if t.name == "all-fp32"), None)
+        notes += _control_notes(ctl, opts) if ctl is not None else []
     if sr.verdict != "culprit":
         extra: dict[str, Any] = {"notes": notes}
         if sr.verdict == "inconclusive":
@@ -312,6 +331,20 @@ def _bisect(opts: BisectOptions, emit: Callable[[str, dict], None], runner: Tria
                              "making its output FP32 for the layers after it (type promotion); look at where the values "
                              "grow next (the report's first non-finite producer)")
     return finish("culprit", notes=notes)
+
+
+def _control_oracle(opts: BisectOptions) -> dict:
+    """The all-FP32 control's oracle settings beyond the others': the loss blow-up check."""
+    return {"blowup": opts.control_blowup} if opts.control_blowup is not None else {}
+
+
+def _control_notes(ctl: Trial, opts: BisectOptions) -> list[str]:
+    if ctl.outcome != "fail":
+        return []
+    if ctl.reason == "divergence" and opts.control_blowup is not None:
+        return [f"with every layer in FP32 the loss grew over {opts.control_blowup:g}x its first steps' from step "
+                f"{ctl.step}: training diverges in any precision (a learning rate too high?)"]
+    return [f"with every layer in FP32 it fails too: {ctl.reason} at step {ctl.step}"]
 
 
 def _losses(trace: Path) -> dict[str, float]:

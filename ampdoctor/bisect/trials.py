@@ -73,22 +73,24 @@ class TrialRunner:
         self.fork = fork and self.nproc == 1 and fork_ok()
 
     def config(self, fp32: Sequence[str], *, trace: Path, pass_after: int | None, all_modules: bool = False,
-               probe: Sequence[str] = (), lite: bool = False) -> RunConfig:
+               probe: Sequence[str] = (), lite: bool = False, oracle: dict | None = None) -> RunConfig:
+        """``oracle``: settings of this trial's oracle that differ from the runner's (the all-FP32 control's)."""
         # lite: a search trial needs only what the oracle reads (loss, scale, skipped), not per-layer
         # statistics: record the first step in full, then only the steps after a non-finite loss
         every = LITE_EVERY if lite else 1
         return RunConfig(trace=str(trace), format=self.fmt, every=every, all_modules=all_modules, max_steps=self.max_steps,
-                         force_fp32=list(fp32), oracle=dict(self.oracle), pass_after=pass_after, probe=list(probe),
-                         reference_losses=self.reference)
+                         force_fp32=list(fp32), oracle={**self.oracle, **(oracle or {})}, pass_after=pass_after,
+                         probe=list(probe), reference_losses=self.reference)
 
     def start(self, name: str, fp32: Sequence[str], *, pass_after: int | None, all_modules: bool = False,
-              probe: Sequence[str] = (), gpu: int | None = None, lite: bool = False) -> dict:
-        """Launch a trial; returns a handle for :meth:`wait`."""
+              probe: Sequence[str] = (), gpu: int | None = None, lite: bool = False, oracle: dict | None = None,
+              timeout: float | None = None) -> dict:
+        """Launch a trial; returns a handle for :meth:`wait`. ``timeout``: this trial's, instead of the runner's."""
         index = len(self.trials) + len(getattr(self, "_running", []))
         folder = self.out / "trials" / f"{index:02d}-{name}"
         folder.mkdir(parents=True, exist_ok=True)
         cfg = self.config(fp32, trace=folder / "trace.sqlite", pass_after=pass_after, all_modules=all_modules, probe=probe,
-                          lite=lite)
+                          lite=lite, oracle=oracle)
         (folder / "config.json").write_text(cfg.to_env())
         env = dict(os.environ, **self.env)
         env["AMPDOCTOR_CONFIG"] = cfg.to_env()
@@ -110,7 +112,7 @@ class TrialRunner:
                 proc = subprocess.Popen(cmd,
                                         stdout=stdout, stderr=stderr, env=env, cwd=os.getcwd(), start_new_session=True)
             handle = {"proc": proc, "t0": t0, "folder": folder, "fp32": list(fp32), "name": name, "index": index,
-                      "files": (stdout, stderr)}
+                      "files": (stdout, stderr), "timeout": self.timeout if timeout is None else timeout}
             self._running = getattr(self, "_running", []) + [handle]
         return handle
 
@@ -118,7 +120,8 @@ class TrialRunner:
         proc = handle["proc"]
         timed_out = False
         try:
-            remaining = None if self.timeout is None else max(1.0, self.timeout - (time.monotonic() - handle["t0"]))
+            limit = handle["timeout"]
+            remaining = None if limit is None else max(1.0, limit - (time.monotonic() - handle["t0"]))
             proc.wait(timeout=remaining)
         except subprocess.TimeoutExpired:
             timed_out = True
@@ -155,19 +158,21 @@ class TrialRunner:
     def run(self, name: str, fp32: Sequence[str], *, pass_after: int | None, **kw: Any) -> Trial:
         return self.wait(self.start(name, fp32, pass_after=pass_after, **kw))
 
-    def run_many(self, specs: list[tuple[str, Sequence[str]]], *, pass_after: int | None, jobs: int,
+    def run_many(self, specs: list[tuple], *, pass_after: int | None, jobs: int,
                  gpus: int = 0, lite: bool = False) -> list[Trial]:
-        """Run several independent trials, ``jobs`` at a time (one GPU each when ``gpus``)."""
+        """Run several independent trials, ``jobs`` at a time (one GPU each when ``gpus``). A spec is
+        ``(name, fp32)`` or ``(name, fp32, kw)``, ``kw`` overriding ``pass_after`` or giving ``oracle``."""
         results: list[Trial | None] = [None] * len(specs)
         pending = list(enumerate(specs))
         running: list[tuple[int, dict]] = []
         slot = 0
         while pending or running:
             while pending and len(running) < max(1, jobs):
-                i, (name, fp32) = pending.pop(0)
+                i, (name, fp32, *rest) = pending.pop(0)
+                kw = {"pass_after": pass_after, **(rest[0] if rest else {})}
                 gpu = (slot % gpus) if gpus else None
                 slot += 1
-                running.append((i, self.start(name, fp32, pass_after=pass_after, gpu=gpu, lite=lite)))
+                running.append((i, self.start(name, fp32, gpu=gpu, lite=lite, **kw)))
             i, h = running.pop(0)
             results[i] = self.wait(h)
         return [r for r in results if r is not None]
@@ -185,7 +190,8 @@ class TrialRunner:
         data = json.loads(result_file.read_text()) if result_file.exists() else None
         last_loss_bad, steps = _trace_tail(folder / "trace.sqlite")
         if timed_out:
-            return Trial(outcome="timeout", error=f"killed after {self.timeout:.0f}s (--timeout)", steps=steps, **base)
+            return Trial(outcome="timeout", error=f"killed after {handle.get('timeout', self.timeout):.0f}s (--timeout)",
+                         steps=steps, **base)
         if data is None and returncode == 0 and steps:
             # the script ended the process itself (os._exit(0)) before the trial could write its result:
             # what it trained is in the trace, as for a script that finished
