@@ -43,6 +43,8 @@ _layout_of = operator.attrgetter("layout")
 _numel = torch.Tensor.numel
 
 KINDS = ("activation", "gradient", "weight", "weight_grad")
+_CALL_KINDS = ("activation", "gradient")  # rows numbered by the module's call in the step
+_MAX_ROUND = 16  # units learnt for a round at most (see Session._unit_ends)
 DETAIL_AFTER_ANOMALY = 3  # with every=N, record this many steps in full after a non-finite loss
 
 
@@ -137,8 +139,20 @@ class Session:
         self._pending_scalars: list[tuple[int, dict]] = []
         self._param_rows: dict[str, tuple] = {}  # kind -> (signature, row descriptions, kept entries, plan memo)
         self._scaled_loss_active = False  # a GradScaler was seen: skipped steps are its business
-        self._step_optimizer: Any = None  # weakref: without a GradScaler, this optimizer's step ends a step
-        self._other_steps: set[int] = set()  # other optimizers that stepped since the last boundary
+        # Where a step ends: at the last *unit* of a round (see _unit_ends). A unit ends at an optimizer's
+        # step without a GradScaler, at update() with one; its label: that optimizer's id, or the ids of
+        # the optimizers stepped since the last update(). The round is learnt from the first units (the
+        # window, set aside part by part until a label repeats), then followed.
+        self._round: list | None = None  # the labels of one round, in order, once learnt
+        self._round_guessed = False  # (a round of one unit whose optimizers hold every watched parameter)
+        self._may_guess = True  # (until such a guess was wrong)
+        self._trainable: set[int] = set()  # ids of the watched parameters that required a gradient at watch()
+        self._in_step: list = []  # labels of this step's units so far (round known)
+        self._window: list[tuple] = []  # (label, the part's rows and scalars): the step's parts while learning
+        self._unit_opts: set[int] = set()  # with a GradScaler: optimizers stepped since the last update()
+        self._opt_refs: dict[int, Any] = {}  # id -> weakref of the optimizers in labels (alive?)
+        self._parts_ending = False  # _end_step of a learnt window: its weights were read part by part
+        self._parts_opt_steps = 0  # (and the optimizer steps counted where its last part ended)
         self.last_output_nonfinite: tuple[int, Any] | None = None  # (step, device flag), trials only
         self._row_policy = RowPolicy(self.fmt, on_stale=self._stale_row)
         self._bw_task = -2  # the backward pass whose end flushes the batch (see _queue_backward_flush)
@@ -187,6 +201,9 @@ class Session:
 
     def attach(self, watch: Any) -> None:
         self.watches.append(watch)
+        # (what trains: Lightning's toggle_optimizer turns requires_grad off for the other optimizers' parameters
+        # while one steps, see _steps_all)
+        self._trainable.update(id(p) for _, _, p in getattr(watch, "_params", ()) if p is not None and p.requires_grad)
         self.tracker.install()
         for cb in list(self.on_attach):
             cb(watch)
@@ -488,7 +505,8 @@ class Session:
             self._scale_after = after.detach().reshape(()).to(torch.float64, copy=True)  # (its own copy: update() changes _scale in place)
             if before is not None:
                 self._skipped = (after.reshape(()) < before.reshape(())).to(torch.float64)
-        self.end_step()
+        label, self._unit_opts = frozenset(self._unit_opts), set()
+        self._unit_ends(label)
 
     _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_always_called",
                    "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs")
@@ -516,22 +534,173 @@ class Session:
     def on_optimizer_step(self, optimizer: Any) -> None:
         self.optimizer_steps += 1
         if self._scaler is not None or self._scaled_loss_seen:
-            return  # with a GradScaler the step ends at update()
+            self._unit_opts.add(self._opt_id(optimizer))  # with a GradScaler the unit ends at update()
+            return
         if not self._active:
-            return  # a second optimizer right after the first: same step
-        # Several optimizers (a GAN's D and G): an iteration is the cycle between two steps of the
-        # first optimizer that ever stepped, so each step holds one of each. One that replaced it (the
-        # first is gone, or another steps twice while it does not) ends the steps from then on.
-        first = self._step_optimizer() if self._step_optimizer is not None else None
-        if first is None:
-            self._step_optimizer, first = weakref.ref(optimizer), optimizer
-        if optimizer is not first:
-            if id(optimizer) not in self._other_steps:
-                self._other_steps.add(id(optimizer))
+            return  # a second optimizer right after the first (one backward for both): same unit
+        self._unit_ends(self._opt_id(optimizer))
+
+    def on_scaler_step(self, scaler: Any, optimizer: Any) -> None:
+        """``GradScaler.step(optimizer)``: that optimizer is in this update()'s unit, also when the
+        scaler skips its step (no optimizer step runs then)."""
+        self._unit_opts.add(self._opt_id(optimizer))
+
+    def _opt_id(self, optimizer: Any) -> int:
+        key = id(optimizer)
+        ref = self._opt_refs.get(key)
+        if ref is None or ref() is not optimizer:
+            try:
+                self._opt_refs[key] = weakref.ref(optimizer)
+            except TypeError:  # pragma: no cover - an object without weakrefs: taken as alive
+                self._opt_refs[key] = lambda: True
+        return key
+
+    def _alive(self, label: Any) -> bool:
+        keys = label if isinstance(label, frozenset) else (label,)
+        return all((r := self._opt_refs.get(k)) is not None and r() is not None for k in keys)
+
+    def _unit_ends(self, label: Any) -> None:
+        """A unit of work ended: one optimizer's step (no GradScaler), or a GradScaler.update(). A
+        step is one *round*: the units between two of the first one (a GAN's D, then G: one step
+        each iteration holds both). The round is learnt from the units of the run's first step: each
+        is set aside as a part of that step until a unit's label comes again; the parts so far are
+        then the step (written now), and the round is their labels. From then on a step ends at the
+        round's last unit. A unit whose optimizers hold every watched parameter that trains, seen
+        first, is a round of its own at once (one optimizer: no wait); if another optimizer steps
+        after all, that unit ends the step and the round is learnt (no such guess again). A unit out of
+        the round's order (an optimizer the round did not have) is counted in the step it falls in;
+        once a unit comes twice in a step, or the round's last optimizer is gone, the step ends there
+        and the round is learnt again. One update() per iteration is a round of one unit."""
+        rnd = self._round
+        if rnd is not None:
+            if label == rnd[-1] and label not in self._in_step:
+                self._in_step.clear()
+                self.end_step()
                 return
-            self._step_optimizer = weakref.ref(optimizer)
-        self._other_steps.clear()
-        self.end_step()
+            if label in self._in_step or not self._alive(rnd[-1]) or self._round_guessed:
+                # the order changed (or another optimizer steps, where none was expected): this unit ends
+                # the step, and the round is learnt again from the next one; a new optimizer that holds
+                # every watched parameter replaced the old one (a restart) and is a round of its own
+                if self._round_guessed and self._steps_all(label):
+                    self._round = [label]
+                else:
+                    self._may_guess = self._may_guess and not self._round_guessed  # (that guess was wrong)
+                    self._round, self._round_guessed = None, False
+                self._in_step.clear()
+                self.end_step()
+                return
+            self._in_step.append(label)
+            return
+        labels = [part[0] for part in self._window]
+        if not labels and self._may_guess and self._steps_all(label):  # (the common case: one optimizer for all)
+            self._round, self._round_guessed = [label], True
+            self.end_step()
+            return
+        if label not in labels:
+            if labels and (len(labels) >= _MAX_ROUND or not self._alive(labels[0]) or self._steps_all(label)):
+                # no repeat in _MAX_ROUND units, the first optimizer is gone, or one that holds every watched
+                # parameter steps (a new one; the old one kept but unused): the parts so far are a step, and
+                # this unit starts learning again
+                self._end_window()
+            self._set_part_aside(label)
+            return
+        self._round, self._round_guessed = labels, False
+        self._end_window()
+        if label == labels[-1]:
+            self.end_step()
+        else:
+            self._in_step.append(label)
+
+    def _steps_all(self, label: Any) -> bool:
+        """Whether the optimizers of ``label`` hold every watched parameter that requires a gradient
+        (or did at ``watch()``): then no other optimizer is expected (see :meth:`_unit_ends`).
+        O(parameters), while a round is learnt only."""
+        held: set[int] = set()
+        for key in label if isinstance(label, frozenset) else (label,):
+            opt = self._opt_refs[key]() if key in self._opt_refs else None
+            for group in getattr(opt, "param_groups", None) or ():
+                held.update(map(id, group.get("params", ())))
+        if not held:
+            return False
+        trainable = self._trainable
+        return all(p is None or id(p) in held or not (p.requires_grad or id(p) in trainable)
+                   for w in self.watches if not w._removed for _, _, p in w._params)
+
+    def _set_part_aside(self, label: Any) -> None:
+        """Learning the round: this unit's rows (finished, with the weights as they are now) and
+        scalars are kept aside as a part of the step; the next unit starts with empty rows."""
+        for w in list(self.watches):
+            if self.recording:
+                if not w.wgrad_rows:
+                    self._late_weight_grads(w)
+                w.record_weights()
+            w.wgrad_rows = False
+        self._rows.finish()
+        self._window.append((label, self._rows, self._flags, self._flag_meta, self._calls, self._losses,
+                             self._scale_after, self._skipped, self.recording, self.optimizer_steps))
+        self._new_rows()
+        self._losses = []
+        self._scale_after = self._skipped = None
+        self._active = False
+
+    def _end_window(self) -> None:
+        """The parts set aside are one step: those before the last are written now under its number
+        (their call numbers after those of the parts before them; their weight rows left out, as the
+        last part's show the weights where the step ended), the last one ends the step as usual. The
+        unit in progress goes on as the next step (dropped rows if that step is not recorded)."""
+        window, self._window = self._window, []
+        if not window:
+            return
+        live = (self._rows, self._row_meta, self._flags, self._flag_meta, self._calls, self._losses,
+                self._scale_after, self._skipped, self._active, self.recording)
+        scaled = (self._scaled_loss_seen, self._scaler, self._scaled_outputs)
+        offsets: dict[int, int] = {}
+        losses: list = []
+        skipped = scale_after = None
+        for i, (_, rows, flags, flag_meta, calls, part_losses, part_scale, part_skipped, recorded, _) in enumerate(window):
+            last = i == len(window) - 1
+            if offsets:
+                rows.meta[:] = [(m[0], m[1], m[2], m[3] + offsets.get(m[0], 0), *m[4:]) if m[1] in _CALL_KINDS else m
+                                for m in rows.meta]
+                flag_meta = [(m[0], m[1] + offsets.get(m[0], 0), *m[2:]) for m in flag_meta]
+            if not last and recorded and rows.meta:
+                self._write_part(rows, flags, flag_meta)
+            for lid, n in calls.items():
+                offsets[lid] = offsets.get(lid, 0) + n
+            losses.extend(part_losses)
+            scale_after = part_scale if part_scale is not None else scale_after
+            if part_skipped is not None:
+                skipped = part_skipped if skipped is None else torch.maximum(skipped, part_skipped)
+        _, rows, flags, flag_meta, calls, _, _, _, recorded, self._parts_opt_steps = window[-1]
+        self._rows, self._row_meta, self._flags, self._flag_meta = rows, rows.meta, flags, flag_meta
+        self._calls = {lid: n for lid, n in offsets.items()}
+        self._losses, self._scale_after, self._skipped = losses, scale_after, skipped
+        self.recording = recorded
+        self._parts_ending = True
+        try:
+            self.end_step()
+        finally:
+            self._parts_ending = False
+        rows, row_meta, flags, flag_meta, calls, part_losses, part_scale, part_skipped, active, recorded = live
+        if self.recording and recorded:
+            self._rows, self._row_meta, self._flags, self._flag_meta, self._calls = rows, row_meta, flags, flag_meta, calls
+        self._losses, self._scale_after, self._skipped = part_losses, part_scale, part_skipped
+        self._scaled_loss_seen, self._scaler, self._scaled_outputs = scaled
+        self._active = active or bool(part_losses)
+
+    def _write_part(self, rows: StepRows, flags: list, flag_meta: list) -> None:
+        """The statistics rows of a part of this step (see :meth:`_end_window`), less its weight rows."""
+        saved, self._pending_scalars = self._pending_scalars, []
+        try:
+            host_rows, host_flags, _ = self._to_host(rows, flags)
+        finally:
+            self._pending_scalars = saved
+        keep = [i for i, m in enumerate(rows.meta) if m[1] != "weight"]
+        meta = [rows.meta[i] for i in keep]
+        host_rows = host_rows[keep]
+        if meta:
+            self.writer.add_stat_rows(self.step, meta, host_rows, _stats.N_FIELDS)
+        self.attribution.observe(self.step, meta, host_rows, flag_meta, host_flags, self._scaled_loss_active)
 
     # -- the step boundary -----------------------------------------------------------------
     def end_step(self) -> None:
@@ -579,8 +748,8 @@ class Session:
         # here (after GradScaler's sync) the GPU would wait for them. The weights are the same then, unless
         # the script changes them in between: that is checked, and then they are read here from then on.
         later = (self.recording and not self._boundary_now and self._oracle is None and DEFER_HOST_READ
-                 and _HostCopy.defers(self._rows.devices))
-        for w in list(self.watches):
+                 and _HostCopy.defers(self._rows.devices) and not self._parts_ending)
+        for w in list(self.watches) if not self._parts_ending else ():  # (a window's parts: read already)
             if self.recording:
                 self._follow_tree(w)
             if self.recording and not w.wgrad_rows:
@@ -597,7 +766,7 @@ class Session:
             "loss": (self._losses[0] if len(self._losses) == 1 else torch.stack(self._losses).sum()) if self._losses else None,
             "scale": self._scale_after,
             "skipped": self._skipped,
-            "optimizer_steps": self.optimizer_steps,
+            "optimizer_steps": self._parts_opt_steps if self._parts_ending else self.optimizer_steps,
             "wall": time.time(),
         }
         self._pending_scalars.append((step, scalars))
@@ -836,6 +1005,13 @@ class Session:
         if self.closed:
             return
         try:
+            if self._window:  # the run's steps ended before a round was learnt: the parts set aside are a step
+                try:
+                    self._end_window()
+                except StopRun:
+                    pass
+                except Exception as e:  # pragma: no cover - never mask the user's own error
+                    log.warning("ampdoctor: could not write the last step: %s", e)
             if self._active or self._rows:
                 try:
                     self._partial_step()

@@ -6,9 +6,10 @@ While at least one watch is active, these are patched or hooked, and all are und
 * ``torch.autograd.backward`` is wrapped to see the loss (the root of ``loss.backward()``), and
   ``torch.autograd.grad`` to see a scaled loss that only makes gradients for a penalty (the AMP
   recipe's gradient penalty), which is then not the step's loss;
-* ``GradScaler.scale`` / ``GradScaler.update`` (``torch.amp`` and the deprecated
-  ``torch.cuda.amp`` class when it defines its own) are wrapped to see the unscaled loss, the
-  scale before and after ``update()`` and so whether the step was skipped, and so are those of
+* ``GradScaler.scale`` / ``GradScaler.step`` / ``GradScaler.update`` (``torch.amp`` and the
+  deprecated ``torch.cuda.amp`` class when it defines its own) are wrapped to see the unscaled
+  loss, the optimizers stepped (also a step the scaler skips), the scale before and after
+  ``update()`` and so whether the step was skipped, and so are those of
   every subclass that defines its own: the ones that exist, and through
   ``GradScaler.__init_subclass__`` those created while the watch is on;
 * ``nn.Module.__getstate__`` is wrapped to leave the watches' module hooks out of the state that
@@ -126,12 +127,14 @@ class StepTracker:
     def _wrap_scaler(self, cls: type) -> None:
         if "scale" in cls.__dict__:
             self._patch(cls, "scale", self._wrap_scale(cls.__dict__["scale"]))
+        if "step" in cls.__dict__:
+            self._patch(cls, "step", self._wrap_step(cls.__dict__["step"]))
         if "update" in cls.__dict__:
             self._patch(cls, "update", self._wrap_update(cls.__dict__["update"]))
 
     def _on_subclass(self, root: type) -> classmethod:
-        """``root.__init_subclass__`` while installed: wraps each new subclass's own ``scale`` and
-        ``update`` (undone by :meth:`uninstall` with the rest), after what ``root`` did before."""
+        """``root.__init_subclass__`` while installed: wraps each new subclass's own ``scale``,
+        ``step`` and ``update`` (undone by :meth:`uninstall` with the rest), after what ``root`` did before."""
         own = vars(root).get("__init_subclass__")
         wrap = self._wrap_scaler
 
@@ -163,6 +166,17 @@ class StepTracker:
             return scaled
 
         return scale
+
+    def _wrap_step(self, orig: Callable) -> Callable:
+        sink = self._sink
+
+        @functools.wraps(orig)
+        def step(scaler: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            if getattr(scaler, "_enabled", True):
+                sink.on_scaler_step(scaler, optimizer)
+            return orig(scaler, optimizer, *args, **kwargs)
+
+        return step
 
     def _wrap_update(self, orig: Callable) -> Callable:
         sink = self._sink
