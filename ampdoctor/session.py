@@ -252,6 +252,7 @@ class Session:
         self._scale_after: torch.Tensor | None = None
         self._skipped: torch.Tensor | None = None
         self._active = False
+        self._worked = False  # a backward pass or a scaler.scale() since the boundary (see close)
         # Before the first backward pass: outermost watched calls so far this step all ran with gradients
         # disabled (a sanity-check validation, a model summary's example forward), and none with them
         # enabled (see outermost_call)
@@ -448,7 +449,7 @@ class Session:
     def on_backward(self, tensors: Any) -> None:
         if self._provisional and not self.trained:
             self._drop_provisional()  # the watched calls of this step were evaluation; training is not watched
-        self._active = True
+        self._active = self._worked = True
         self.trained = True
         self._outer_next = outer = torch._C._current_graph_task_id() == -1  # not called from inside a backward
         if self._deferred or self._boundary is not None:
@@ -473,7 +474,7 @@ class Session:
             self._losses.append(t.detach().reshape(()).to(torch.float64, copy=True))
 
     def on_scaled_loss(self, scaler: Any, loss: torch.Tensor, scaled: Any = None) -> None:
-        self._active = True
+        self._active = self._worked = True
         if loss.numel() == 1 and loss.is_floating_point() and not loss.is_meta:
             if not self._scaled_loss_seen:
                 self._losses.clear()  # a backward before scale() was not the training loss
@@ -641,7 +642,7 @@ class Session:
         self._new_rows()
         self._losses = []
         self._scale_after = self._skipped = None
-        self._active = False
+        self._active = self._worked = False
 
     def _end_window(self) -> None:
         """The parts set aside are one step: those before the last are written now under its number
@@ -653,7 +654,7 @@ class Session:
             return
         live = (self._rows, self._row_meta, self._flags, self._flag_meta, self._calls, self._losses,
                 self._scale_after, self._skipped, self._active, self.recording)
-        scaled = (self._scaled_loss_seen, self._scaler, self._scaled_outputs)
+        scaled = (self._scaled_loss_seen, self._scaler, self._scaled_outputs, self._worked)
         offsets: dict[int, int] = {}
         losses: list = []
         skipped = scale_after = None
@@ -685,7 +686,7 @@ class Session:
         if self.recording and recorded:
             self._rows, self._row_meta, self._flags, self._flag_meta, self._calls = rows, row_meta, flags, flag_meta, calls
         self._losses, self._scale_after, self._skipped = part_losses, part_scale, part_skipped
-        self._scaled_loss_seen, self._scaler, self._scaled_outputs = scaled
+        self._scaled_loss_seen, self._scaler, self._scaled_outputs, self._worked = scaled
         self._active = active or bool(part_losses)
 
     def _write_part(self, rows: StepRows, flags: list, flag_meta: list) -> None:
@@ -1012,7 +1013,10 @@ class Session:
                     pass
                 except Exception as e:  # pragma: no cover - never mask the user's own error
                     log.warning("ampdoctor: could not write the last step: %s", e)
-            if self._active or self._rows:
+            # a partial last step: what ran since the last boundary, if it has rows or trained (a watched
+            # call that only returned after the boundary is not a step: a module whose forward runs the
+            # optimizer step, as Lightning's training_step called through DDP)
+            if self._row_meta or self._worked:
                 try:
                     self._partial_step()
                 except StopRun:

@@ -146,6 +146,60 @@ def test_a_replaced_optimizer_ends_steps_as_the_old_one_did(tmp_path):
     assert [s["optimizer_steps"] for s in r.steps()] == list(range(1, 9))
 
 
+class _StepModule(nn.Module):
+    """A module whose forward is the whole training step (Lightning's training_step called through the
+    DDP wrapper is one): its forward hooks run after the optimizer step has ended the step."""
+
+    def __init__(self, returns_loss):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        self.opt = torch.optim.SGD(self.net.parameters(), lr=0.01)
+        self.returns_loss = returns_loss
+
+    def forward(self, x):
+        loss = self.net(x).pow(2).mean()
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss.detach() if self.returns_loss else None
+
+
+@pytest.mark.parametrize("returns_loss", [False, True])
+def test_no_empty_last_step_after_a_call_that_ends_past_the_step(tmp_path, returns_loss):
+    """12 calls of such a module, an evaluation forward under no_grad after the last, then the watch
+    removed: 12 steps, each with its loss and rows (the old code wrote a 13th, empty, at remove())."""
+    torch.manual_seed(0)
+    m = _StepModule(returns_loss)
+    path = tmp_path / "t.sqlite"
+    with ampdoctor.watch(m, trace=str(path)):
+        for _ in range(12):
+            m(torch.randn(8, 4))
+        with torch.no_grad():
+            m.net(torch.randn(8, 4))
+    r = TraceReader(path)
+    steps = r.steps()
+    assert [(s["step"], s["optimizer_steps"]) for s in steps] == [(k, k + 1) for k in range(12)]
+    assert all(s["loss"] is not None for s in steps)
+    assert {x["step"] for x in r.stats()} == set(range(12))
+
+
+def test_a_last_backward_without_an_optimizer_step_is_still_a_partial_step(tmp_path):
+    """What trained after the last optimizer step (a gradient-accumulation remainder) is still written."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    with ampdoctor.watch(m, trace=str(tmp_path / "t.sqlite"), every=2):
+        for i in range(4):
+            loss = m(torch.randn(8, 4)).pow(2).mean()
+            loss.backward()
+            if i < 3:
+                opt.step()
+                opt.zero_grad()
+    r = TraceReader(tmp_path / "t.sqlite")
+    assert [s["step"] for s in r.steps()] == [0, 1, 2, 3]
+    assert r.steps()[3]["loss"] == pytest.approx(loss.item(), rel=1e-6)  # (step 3 is not recorded: no rows)
+
+
 _LIGHTNING = r'''
 import os, sys, torch, torch.nn as nn, lightning as L, ampdoctor
 from torch.utils.data import DataLoader, TensorDataset
@@ -188,7 +242,7 @@ if __name__ == "__main__":
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("precision,devices", [("32", 1), ("16-mixed", 1)])
+@pytest.mark.parametrize("precision,devices", [("32", 1), ("16-mixed", 1), ("32", 2)])
 def test_lightning_manual_optimization_with_two_optimizers(tmp_path, precision, devices):
     """Lightning, manual optimization, two optimizers (Lightning's 16-mixed calls update() after each
     optimizer's step), validation after the last training step; with DDP (gloo, two ranks) each rank's
