@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from . import rank_boot
 from .config import RunConfig
 from .session import Session, StopRun, _set_current
 
@@ -88,6 +89,7 @@ def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig
     path = Path(script).resolve()
     saved_env = os.environ.get("AMPDOCTOR_CONFIG")
     os.environ["AMPDOCTOR_CONFIG"] = config.to_env()  # child processes (DataLoader workers, torchrun) see it
+    armed = rank_boot.arm(path)  # ranks the script starts by running its own file again run under ampdoctor too
     session = Session(config, owned=True)
     _set_current(session)
     probes: list[Any] = []
@@ -126,6 +128,7 @@ def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig
         session.close(status={"finished": "finished", "stopped": "finished"}.get(status, status), exit_code=code, **extra)
         steps = max(steps, session.step)
         decision = decision if decision is not None else session.decision
+        rank_boot.disarm(armed)
         if saved_env is None:
             os.environ.pop("AMPDOCTOR_CONFIG", None)
         else:
