@@ -37,7 +37,8 @@ def test_run_traces_a_rank_the_script_launched_itself_and_chains_the_users_sitec
     (user / "sitecustomize.py").write_text(
         f"import os, sys\nopen({str(marks)!r}, 'a').write(os.path.basename(sys.argv[0]) + '\\n')\n")
     out = tmp_path / "run"
-    p = amp("run", "--out", out, SCRIPT, env={"PYTHONPATH": str(user)})
+    pythonpath = os.pathsep.join(p for p in (str(user), os.environ.get("PYTHONPATH")) if p)
+    p = amp("run", "--out", out, SCRIPT, env={"PYTHONPATH": pythonpath})
     assert p.returncode == 0, p.stdout + p.stderr
     meta0, steps0 = _steps(out / "trace.sqlite")
     meta1, steps1 = _steps(out / "trace.rank1.sqlite")  # (was missing: rank 1 ran without ampdoctor)
