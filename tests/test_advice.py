@@ -811,3 +811,35 @@ def test_plain_fix_of_a_half_module_warns_that_a_tied_weight_turns_fp32_for_both
     half = plain_fix("model.lm_head", "float16")
     assert "`model.lm_head.float()`" in half and "tied" in half and "keep_fp32 keeps the tie" in half
     assert "tied" not in plain_fix("model.lm_head", None)
+
+
+def test_a_loss_that_grows_while_the_scaler_backs_off_is_called_a_divergence(tmp_path):
+    """A learning rate too high under fp16 autocast + GradScaler: the growing gradients make the scaler
+    skip (the oracle's break, at step 6, where the loss had grown 6-fold only), and the loss goes on
+    growing 1e5-fold over the steps it still takes before it turns Inf. Only the losses before the
+    break counted, so the first advice was keep_fp32 of the first layer to overflow; the divergence
+    comes first now."""
+    import torch
+    from torch import nn
+
+    import ampdoctor
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.2)
+    scaler = torch.amp.GradScaler("cpu")
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")):
+        for _ in range(40):
+            x = torch.randn(32, 4) * 3
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x)
+            loss = nn.functional.mse_loss(out.float(), x.sum(1, keepdim=True))
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    rep = build_report(tmp_path / "t.sqlite")
+    assert rep.diagnosis.reason == "skipped_steps", rep.diagnosis
+    first = rep.advice[0]
+    assert first.startswith("The loss grew from") and "while the GradScaler skipped steps" in first, rep.advice
+    assert "scaler.unscale_(opt)" in first, first

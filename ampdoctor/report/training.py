@@ -26,8 +26,15 @@ def _growth(report: Report) -> tuple[tuple[int, float], tuple[int, float]] | Non
     d = report.diagnosis
     if not d.broke:
         return None
+    end = d.step
+    if d.reason in ("skipped_steps", "scale_collapse"):
+        # a GradScaler's symptom: its skips freeze the weights, and the steps it took between them trained on,
+        # so the losses up to the first non-finite one still say how training went (a loss that grew 1e5-fold
+        # while the scaler backed off is a divergence that broke the scaler first)
+        end = next((t["step"] for t in report.timeline if t["loss"] is not None and not math.isfinite(t["loss"])),
+                   None)
     finite = [(t["step"], t["loss"]) for t in report.timeline if t["loss"] is not None and math.isfinite(t["loss"])
-              and (d.step is None or t["step"] < d.step)]
+              and (end is None or t["step"] < end)]
     if len(finite) < 3:
         return None
     low, last = min(finite, key=lambda p: p[1]), finite[-1]
@@ -59,8 +66,10 @@ def divergence_advice(report: Report, scaler: ScalerHealth | None = None) -> lis
     fix = f"Lower the learning rate, add warmup, and clip gradients ({clip_fix(scaler)})."
     if grew:
         (lo_step, lo), (last_step, last) = grew
+        until = ("before training broke" if d.step is None or last_step < d.step else
+                 "while the GradScaler skipped steps, before the loss turned non-finite")
         out.append(f"The loss grew from {fmt_num(lo)} (step {lo_step}) to {fmt_num(last)} (step {last_step}) "
-                   f"before training broke: an optimisation divergence. {fix}")
+                   f"{until}: an optimisation divergence. {fix}")
     elif d.reason == "divergence":
         out.append(f"The loss diverged from the FP32 control's{f' at step {d.step}' if d.step is not None else ''}: "
                    f"an optimisation divergence. {fix}")
