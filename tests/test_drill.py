@@ -324,3 +324,32 @@ def test_the_probe_keeps_the_first_step_an_input_came_in_too_large():
                 model(torch.full((2, 4), scale))
     assert probe.inputs_first == {"0": 1}
     assert probe.inputs_beyond["0"] == (3e5, 2)
+
+
+class MinMaskedAttention(Attention):
+    """q @ k^T plus a causal mask of the dtype's most negative finite value, as HF transformers' eager
+    attention builds it (``torch.finfo(dtype).min`` where a position is masked)."""
+
+    def forward(self, x):
+        q, k = self.q(x), self.k(x)
+        scores = q @ k.transpose(-2, -1)
+        n = scores.shape[-1]
+        mask = torch.full((n, n), torch.finfo(scores.dtype).min, dtype=scores.dtype, device=scores.device).triu(1)
+        scores = scores + mask
+        return torch.softmax(scores.float(), -1)
+
+
+def test_the_worst_op_is_not_the_add_of_a_finfo_min_mask():
+    """The add of a finfo.min mask has the largest output (about 65504 in fp16, by construction) of every
+    op in the layer: it was named the worst op of every HF eager attention; the op whose own output is
+    largest is the matmul."""
+    torch.manual_seed(0)
+    model = nn.Sequential(MinMaskedAttention(16))
+    _big(model[0].q, 10.0)
+    _big(model[0].k, 10.0)  # scores 16 * 10 * 10 = 1600: no overflow
+    with OpProbe(model, ["0"]) as probe:
+        with torch.autocast(**AC):
+            model(torch.randn(2, 4, 16))
+    assert probe.worst is not None and probe.worst.op == "matmul", probe.worst
+    assert probe.worst.absmax == pytest.approx(1600.0)
+    _no_probe_left(model)

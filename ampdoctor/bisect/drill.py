@@ -35,6 +35,7 @@ import os
 import sys
 import sysconfig
 import threading
+import weakref
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -129,10 +130,13 @@ def _nonfinite_scalar(obj: Any) -> bool:
 
 
 def _additive_mask(x: torch.Tensor) -> bool:
-    """An additive attention mask: every value 0 or -Inf (``nn.Transformer.generate_square_subsequent_mask``,
-    ``attn_mask`` of ``nn.MultiheadAttention``). Its -Inf was asked for; it does not make the op's
-    input non-finite in the sense of an overflow that came in."""
-    return bool(((x == 0) | (x == float("-inf"))).all())
+    """An additive attention mask: every value 0, -Inf (``nn.Transformer.generate_square_subsequent_mask``,
+    ``attn_mask`` of ``nn.MultiheadAttention``) or its dtype's most negative finite value (HF transformers'
+    ``torch.finfo(dtype).min``). Its -Inf (or -65504) was asked for; it does not make the op's input
+    non-finite, or too large, in the sense of an overflow that came in."""
+    if not x.is_floating_point():
+        return False
+    return bool(((x == 0) | (x == float("-inf")) | (x == torch.finfo(x.dtype).min)).all())
 
 
 def _beyond(x: torch.Tensor, fmax: float) -> Optional[float]:
@@ -228,6 +232,8 @@ class OpProbe:
         self.inputs_first: dict[str, Optional[int]] = {}  # probed module -> the first step its input was so
         self._handles: list[Any] = []
         self._cells: dict[int, list] = {}  # id of an op output -> its grad hook's "is a module output" cell
+        # id of an op output that holds an additive mask's magnitude -> (weak reference, that magnitude)
+        self._masked: dict[int, tuple[Any, float]] = {}
         self._local = threading.local()  # .stack: probed modules running, .mode: the active mode
         self._lock = threading.Lock()
         self._closed = True
@@ -321,6 +327,7 @@ class OpProbe:
             stack.pop()
             if not stack:
                 self._cells.clear()
+                self._masked.clear()
                 self._exit_mode()
         return hook
 
@@ -340,6 +347,7 @@ class OpProbe:
         op = _op_name(func)
         layer = self._stack[-1] if self._stack else "?"
         self.ops_seen += 1
+        mask = self._mask_magnitude(args, kwargs)
         for t in outs:
             d = decode_row(tensor_stats(t, self.fmt).tolist(), self.fmt)
             bad = d["nan"] + d["posinf"] + d["neginf"]
@@ -350,10 +358,30 @@ class OpProbe:
                 finding.absmax_fp32 = self._absmax_fp32(func, args, kwargs)
             if not producer and d["overflow"] > 0:
                 finding.passthrough = any(_beyond(x, self.fmt.max) is not None for x in _tensors((args, kwargs)))
-            self._keep(finding, producer or d["overflow"] > 0)
+            # an op that builds an additive mask, adds one, or passes a masked tensor on (a cast, a view) has the
+            # mask's magnitude by construction: not the worst op (HF's eager attention: its finfo.min mask and
+            # what held it were always the largest); one whose output is small again (the softmax) ends that
+            held = _additive_mask(t) if t.numel() else False
+            mag = abs(torch.finfo(t.dtype).min) if held else mask
+            held = held or (mag is not None and not d["absmax"] < mag / 2)
+            if held:
+                self._masked[id(t)] = (weakref.ref(t), mag)
+            self._keep(finding, producer or d["overflow"] > 0, worst=not held)
             if self.backward and t.requires_grad:
                 cell = self._cells[id(t)] = [False]  # set when t turns out to be the probed module's output
                 t.register_hook(self._grad_hook(layer, op, loc, cell))
+
+    def _mask_magnitude(self, args: tuple, kwargs: dict) -> Optional[float]:
+        """The largest magnitude an input holds by being an additive mask, or a tensor that carries one
+        (see :meth:`_record`); None where no input does."""
+        mag = None
+        for x in _tensors((args, kwargs)):
+            got = self._masked.get(id(x))
+            m = got[1] if got is not None and got[0]() is x else (
+                abs(torch.finfo(x.dtype).min) if x.is_floating_point() and x.numel() and _additive_mask(x) else None)
+            if m is not None and (mag is None or m > mag):
+                mag = m
+        return mag
 
     def _finding(self, layer: str, op: str, loc: tuple[str, int], d: dict, producer: bool,
                  dtype: str, phase: str) -> OpFinding:
@@ -361,11 +389,11 @@ class OpProbe:
         return OpFinding(layer, op, _where(*loc), d["absmax"], producer,
                          int(overflow), self.step, phase, loc[0], dtype)
 
-    def _keep(self, finding: OpFinding, notable: bool) -> None:
+    def _keep(self, finding: OpFinding, notable: bool, worst: bool = True) -> None:
         with self._lock:
             attr = "worst" if finding.phase == "forward" else "worst_backward"
             current = getattr(self, attr)
-            if current is None or finding.magnitude > current.magnitude:
+            if worst and (current is None or finding.magnitude > current.magnitude):
                 setattr(self, attr, finding)
             if notable and len(self.findings) < self.max_ops:
                 self.findings.append(finding)
