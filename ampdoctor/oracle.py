@@ -11,11 +11,12 @@ Criteria, each reported as a ``reason``:
     the loss is NaN/Inf in ``nonfinite_k`` consecutive observed steps (one bad batch that
     the GradScaler skips is not a failure);
 ``nonfinite_params``
-    any parameter (or optimizer state) is non-finite: training cannot recover from that. Where
-    the parameters were not checked at every step (a search trial checks them only on recorded
-    steps: step 0 and the steps after a non-finite loss), the step reported is the first of the
-    non-finite loss streak that led there, if one began after the last step whose parameters
-    were seen finite: the update that broke them is no later than that;
+    any parameter (or optimizer state) is non-finite: training cannot recover from that. A session
+    with an oracle checks the parameters at every step (a search trial's unrecorded steps too, see
+    ``Session._params_screen``). Where they were not checked at every step (``params_finite`` None
+    in between), the step reported is the first of the non-finite loss streak that led there, if
+    one began after the last step whose parameters were seen finite: the update that broke them is
+    no later than that;
 ``scale_collapse``
     the GradScaler scale fell below ``scale_floor``;
 ``skipped_steps``

@@ -79,6 +79,9 @@ def _rank() -> int:
 DEFER_HOST_READ = os.environ.get("AMPDOCTOR_DEFER_READ", "1") != "0"  # see Session._flush_soon
 
 
+# dtypes summed in their own dtype by Session._params_screen (fp32's range or more: a sum of finite weights
+# overflows only past 3.4e38; on the CPU bf16 -> fp32 costs 7x the sum); fp16 (and fp8) sum in fp32
+_NATIVE_SUM = (torch.float32, torch.bfloat16, torch.float64)
 _NAN, _POSINF, _NEGINF = (_stats.FIELDS.index(k) for k in ("nan", "posinf", "neginf"))
 
 
@@ -167,6 +170,7 @@ class Session:
         self._stop_caught = False
         self.trained = False  # a backward pass ran: forwards with gradients disabled are evaluation from now on
         self._prefetched: _HostCopy | None = None
+        self._params_gates: dict[torch.device, torch.Tensor] = {}  # CUDA: an open gate for _params_screen's flags
         self._reset_step()
 
     # -- set-up ----------------------------------------------------------------------------
@@ -769,6 +773,8 @@ class Session:
             "skipped": self._skipped,
             "optimizer_steps": self._parts_opt_steps if self._parts_ending else self.optimizer_steps,
             "wall": time.time(),
+            # an oracle decides every step: the weights' NaN/Inf check where this step has no weight rows
+            "params": self._params_screen_safely() if self._oracle is not None and not self.recording else None,
         }
         self._pending_scalars.append((step, scalars))
         rows, row_meta, flags, flag_meta = self._rows, self._row_meta, self._flags, self._flag_meta
@@ -814,6 +820,49 @@ class Session:
             self.note(f"the modules of the watched {type(w.root).__name__} changed after watch() (a layer replaced, "
                       f"added or removed): recorded as they are now, {when}")
 
+    def _params_screen_safely(self) -> tuple | None:
+        try:
+            return self._params_screen()
+        except Exception as e:  # pragma: no cover - never break the user's training for a check (unchecked: None)
+            log.warning("ampdoctor: could not check the weights for NaN/Inf at step %d: %s: %s", self.step,
+                        type(e).__name__, e)
+            return None
+
+    def _params_screen(self) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]] | None:
+        """Whether the watched parameters hold a NaN/Inf, for the oracle on a step that records no weight
+        rows (a bisect search trial's): per device, a float64 scalar that is 0 when they are all finite,
+        and the parameters it covers. One reduction per parameter, no host sync: it travels in the step's
+        one host copy with the loss (:meth:`_to_host`). On CUDA with the NVRTC kernels, one launch flags
+        them all (exact); elsewhere each parameter's sum (NaN/Inf propagate; ``* 0`` makes a finite total
+        0), whose rare overflow from finite weights :meth:`_to_host` checks again exactly."""
+        groups: dict[torch.device, list[torch.Tensor]] = {}
+        for w in self.watches:
+            if w._removed:
+                continue
+            w._sync_params()
+            for _, _, p in w._params:
+                if p is not None and p.is_floating_point() and p.layout == torch.strided and not p.is_meta:
+                    groups.setdefault(p.device, []).append(p.detach())
+        if not groups:
+            return None
+        pieces = []
+        for dev, ts in groups.items():
+            if dev.type == "cuda":
+                from . import stats_cuda
+                if stats_cuda.flags_backend(dev):
+                    gate = self._params_gates.get(dev)
+                    if gate is None:
+                        gate = self._params_gates[dev] = torch.ones(1, dtype=torch.int32, device=dev)
+                    pieces.append(stats_cuda.fused_nonfinite(ts, gate).sum())
+                    continue
+            sums: dict[torch.dtype, list[torch.Tensor]] = {}
+            for t in ts:
+                x = t.sum() if t.dtype in _NATIVE_SUM else t.sum(dtype=torch.float32)
+                sums.setdefault(x.dtype, []).append(x)
+            totals = [torch.stack(xs).sum().to(torch.float64) for xs in sums.values()]
+            pieces.append((totals[0] if len(totals) == 1 else torch.stack(totals).sum()).mul_(0))
+        return pieces, list(groups.values())
+
     def _late_weight_grads(self, w: Any) -> None:
         """A recorded step whose backward passes left no weight gradient (``torch.autograd.grad``'s
         results assigned to ``.grad``): the gradients the optimizer stepped with, read at the step's end."""
@@ -833,7 +882,7 @@ class Session:
         if recorded:
             self.attribution.observe(step, row_meta, host_rows, flag_meta, host_flags, self._scaled_loss_active)
         for (s, sc), vals in zip(self._pending_scalars, host_scalars):
-            loss, scale, skipped = vals
+            loss, scale, skipped, params_screened = vals
             rec = int(s == step and recorded)
             self.writer.add_step((s, loss, scale, None if skipped is None else int(skipped), sc["optimizer_steps"], rec, sc["wall"]))
             if loss is not None and not math.isfinite(loss) and self._detail_left == 0 and self.config.every > 1:
@@ -843,7 +892,7 @@ class Session:
                     # and attributed (_reset_step decided that for a step that was not to be recorded)
                     self.attributing = not self.attribution.done(self._scaled_loss_active)
             if self._oracle is not None and decision is None:
-                params_finite = grads = None
+                params_finite, grads = params_screened, None
                 if s == step and recorded:
                     params_finite = not any(m[1] == "weight" and b for m, b in zip(row_meta, bad_rows(host_rows)))
                     grads = _grads_held(row_meta, host_rows)
@@ -967,6 +1016,9 @@ class Session:
             for key in ("loss", "scale", "skipped"):
                 if sc[key] is not None:
                     copy.put(key, sc[key])
+            if sc.get("params") is not None:
+                for piece in sc["params"][0]:
+                    copy.put("params", piece)
         copy.start()
         return copy
 
@@ -991,6 +1043,14 @@ class Session:
                     vals.append(None)
                 else:
                     vals.append(float(take(key)[0]))
+            screen = sc.get("params")
+            if screen is None:
+                vals.append(None)
+            else:
+                pieces, groups = screen
+                suspect = [ts for _, ts in zip(pieces, groups) if float(take("params")[0]) != 0]
+                # (a sum that overflowed from finite weights is a false alarm: the exact check, only then)
+                vals.append(not any(bool(_stats.batch_nonfinite(ts).any()) for ts in suspect))
             host_scalars.append(vals)
         return host_rows, host_flags, host_scalars
 

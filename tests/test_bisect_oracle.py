@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parent.parent
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -27,12 +29,14 @@ def test_huge_init_scale_backing_off_is_healthy(tmp_path):
     assert len(res["trials"]) == 1 and res["trials"][0]["step"] == 50, res["trials"]
 
 
-def test_search_trials_report_nonfinite_params_where_the_baseline_does(tmp_path):
+@pytest.mark.parametrize("script_args", [(), ("--backward",)])
+def test_search_trials_report_nonfinite_params_where_the_baseline_does(tmp_path, script_args):
     """SGD writes NaN into the weights at step 5 (its loss Inf). The baseline checks the weights every
-    step and said nonfinite_params at 5; a search trial checks them only after a non-finite loss, and
-    said 6 for the same failure."""
+    step and said nonfinite_params at 5; a search trial checked them only after a non-finite loss, and
+    said 6 for the same failure. ``--backward``: only the backward overflows, the loss of step 5 is
+    finite (NaN from 6): the trials said 6 until they checked the weights at every step."""
     bisect("--out", tmp_path / "b", "--json", tmp_path / "r.json", "--no-drill", "--max-trials", "4",
-           SCRIPTS / "params_nan.py")
+           SCRIPTS / "params_nan.py", *script_args)
     res = json.loads((tmp_path / "r.json").read_text())
     assert res["failure"] == {"step": 5, "reason": "nonfinite_params"}, res
     reasons = [d["reason"] for d in res["trial_details"]]

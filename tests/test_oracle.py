@@ -187,9 +187,10 @@ def test_nonfinite_params_fail_at_once():
 
 
 def test_nonfinite_params_seen_late_are_reported_where_the_loss_broke():
-    """A search trial checks the parameters only on recorded steps (step 0, and the steps after a
-    non-finite loss): SGD wrote NaN into them at step 5, whose loss was Inf; the trial saw them at 6
-    and said nonfinite_params at 6 where the baseline, checking every step, said 5."""
+    """Parameters observed only on some steps (as a search trial did before it checked them at every
+    step: step 0, and the steps after a non-finite loss): SGD wrote NaN into them at step 5, whose loss
+    was Inf; the trial saw them at 6 and said nonfinite_params at 6 where the baseline, checking every
+    step, said 5."""
     o = Oracle()
     assert o.observe(0, 1.0, None, None, True) is None
     assert [o.observe(s, 1.0) for s in range(1, 5)] == [None] * 4
