@@ -27,7 +27,7 @@ class _Net(nn.Module):
 
 
 def _train(monkeypatch, tmp_path, model, steps=12, break_at=None, value=math.nan, every=LITE_EVERY, oracle=True,
-           pass_after=None):
+           pass_after=None, device="cpu"):
     """Train ``model`` under a trial-like config; at ``break_at`` the update writes ``value`` into one
     weight (as an fp16 backward that overflowed does) while the step's loss stays finite. Returns the
     session's decision, or None."""
@@ -41,7 +41,7 @@ def _train(monkeypatch, tmp_path, model, steps=12, break_at=None, value=math.nan
     session = w.session
     try:
         for step in range(steps):
-            x = torch.randn(8, 4, generator=gen).to(dtype)
+            x = torch.randn(8, 4, generator=gen).to(device=device, dtype=dtype)
             loss = model(x).float().pow(2).mean()
             opt.zero_grad()
             loss.backward()
@@ -70,6 +70,25 @@ def test_unrecorded_step_whose_update_broke_the_weights_fails_there(monkeypatch,
         model.to(dtype)
     d = _train(monkeypatch, tmp_path, model, break_at=5, value=value)
     assert (d.outcome, d.step, d.reason) == ("fail", 5, "nonfinite_params")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("nvrtc", [True, False])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_unrecorded_step_whose_update_broke_the_weights_fails_there_on_cuda(monkeypatch, tmp_path, value, dtype,
+                                                                           nvrtc):
+    """The same on a CUDA model (the NVRTC flags kernel, one launch for all the weights; without NVRTC,
+    the sums), and a healthy CUDA trial passes."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    if not nvrtc:
+        from ampdoctor import stats_cuda
+        monkeypatch.setattr(stats_cuda, "flags_backend", lambda dev: False)
+    d = _train(monkeypatch, tmp_path, _Net().to("cuda", dtype), break_at=5, value=value, device="cuda")
+    assert (d.outcome, d.step, d.reason) == ("fail", 5, "nonfinite_params")
+    d = _train(monkeypatch, tmp_path, _Net().to("cuda", dtype), steps=12, pass_after=10, device="cuda")
+    assert (d.outcome, d.reason) == ("pass", None), d
 
 
 def test_weights_whose_sum_overflows_are_finite(monkeypatch, tmp_path):
