@@ -1,7 +1,8 @@
 """fp16 autocast, no GradScaler, SGD with gradient clipping: at step ``--at`` (5) the batch is 1e5 times
 larger, ``0`` (the first Linear) overflows fp16 to Inf, the loss is Inf and the step's update writes NaN
-into every weight (clipping cannot clean a NaN gradient); the loss is NaN from then on. With ``0`` in FP32
-the batch is large but finite and clipping keeps the update small: training goes on. ``--backward``:
+into every weight (clipping cannot clean a NaN gradient); the loss is NaN from then on. (It is a test of the
+step the failure is reported at, not a bisect fixture: with ``0`` in FP32 the next layers overflow in turn,
+and a trial still fails at the same step; a bisect of it is inconclusive.) ``--backward``:
 the loss of step ``--at`` is weighted 1e8 instead, its forward stays finite and only the fp16 backward
 overflows (the loss is finite at that step, NaN from the next)."""
 import argparse
