@@ -843,3 +843,5 @@ def test_a_loss_that_grows_while_the_scaler_backs_off_is_called_a_divergence(tmp
     first = rep.advice[0]
     assert first.startswith("The loss grew from") and "while the GradScaler skipped steps" in first, rep.advice
     assert "scaler.unscale_(opt)" in first, first
+    line = rep.diagnosis.lines[0]
+    assert "a divergence that broke the GradScaler" in line and "persistent gradient overflow" not in line, line

@@ -259,6 +259,29 @@ def nan_without_inf(rows: list[LayerRow]) -> bool:
     return any(r.nan for r in grads) and not any(r.inf for r in grads)
 
 
+_SCALER_SYMPTOMS = ("skipped_steps", "scale_collapse")  # a GradScaler's break: its skips freeze the weights
+
+
+def loss_growth(timeline: list[dict], decision: Any) -> tuple[tuple[int, float], tuple[int, float]] | None:
+    """``((step, lowest loss), (step, last loss))`` of the finite losses before the break (``decision``),
+    when the loss grew tenfold in between; after the break the loss (and the scale) restarting from
+    skipped steps says nothing about how training went. A GradScaler's break (skipped steps, a collapsed
+    scale) freezes the weights only at its skips, and the steps it took between them trained on: there the
+    losses up to the first non-finite one count (a loss that grew 1e5-fold while the scaler backed off is a
+    divergence that broke the scaler first)."""
+    if decision is None:
+        return None
+    end = decision.step
+    if decision.reason in _SCALER_SYMPTOMS:
+        end = next((t["step"] for t in timeline if t["loss"] is not None and not math.isfinite(t["loss"])), None)
+    finite = [(t["step"], t["loss"]) for t in timeline if t["loss"] is not None and math.isfinite(t["loss"])
+              and (end is None or t["step"] < end)]
+    if len(finite) < 3:
+        return None
+    low, last = min(finite, key=lambda p: p[1]), finite[-1]
+    return (low, last) if low[1] > 0 and last[1] > 10 * low[1] and last[0] > low[0] else None
+
+
 def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[LayerRow] | None = None) -> Diagnosis:
     oracle = Oracle(OracleConfig())
     decision = None
@@ -320,6 +343,13 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
                    f"{_lg(backoff[0])} to {_lg(backoff[1])}: start-up backoffs that had not ended after more than "
                    f"{oracle.cfg.startup_grace} steps (an init_scale far above what the gradients fit, or gradients "
                    "that overflow at every scale)")
+        grew = loss_growth(timeline, decision)
+        if grew is not None and decision.reason in _SCALER_SYMPTOMS:
+            (_, lo), (last_step, hi) = grew
+            base = ("the GradScaler skipped most steps" if decision.reason == "skipped_steps" else
+                    "the GradScaler's scale collapsed below 1")
+            how = (f"{base} while the loss grew from {lo:.3g} to {hi:.3g} (step {last_step}) over the steps it "
+                   "took: a divergence that broke the GradScaler, not an overflow a loss scale fixes")
         lines.append(f"Training broke at step {decision.step}: {how}.")
     elif stuck:
         lines.append(f"Training did not break in the {len(timeline)} steps seen, but took no optimizer step: the "

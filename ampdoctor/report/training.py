@@ -4,9 +4,7 @@ half precision (pure ``.half()``/``.bfloat16()``: master weights, optimizer eps,
 
 from __future__ import annotations
 
-import math
-
-from .model import Report
+from .model import Report, loss_growth
 from .phrasing import fmt_num
 from .scaler_health import ScalerHealth, scaler_health
 
@@ -20,25 +18,11 @@ def diverged(report: Report) -> bool:
 
 
 def _growth(report: Report) -> tuple[tuple[int, float], tuple[int, float]] | None:
-    """``((step, lowest loss), (step, last loss))`` before the break, when the loss grew tenfold in between.
-    Only the losses of steps before the break count: after it the loss (and the scale) restarting from
-    skipped steps says nothing about how training went."""
+    """See :func:`~.model.loss_growth`: the run's, when it broke."""
     d = report.diagnosis
     if not d.broke:
         return None
-    end = d.step
-    if d.reason in ("skipped_steps", "scale_collapse"):
-        # a GradScaler's symptom: its skips freeze the weights, and the steps it took between them trained on,
-        # so the losses up to the first non-finite one still say how training went (a loss that grew 1e5-fold
-        # while the scaler backed off is a divergence that broke the scaler first)
-        end = next((t["step"] for t in report.timeline if t["loss"] is not None and not math.isfinite(t["loss"])),
-                   None)
-    finite = [(t["step"], t["loss"]) for t in report.timeline if t["loss"] is not None and math.isfinite(t["loss"])
-              and (end is None or t["step"] < end)]
-    if len(finite) < 3:
-        return None
-    low, last = min(finite, key=lambda p: p[1]), finite[-1]
-    return (low, last) if low[1] > 0 and last[1] > 10 * low[1] and last[0] > low[0] else None
+    return loss_growth(report.timeline, d)
 
 
 def clip_fix(scaler: ScalerHealth | None) -> str:
