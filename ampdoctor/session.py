@@ -20,7 +20,7 @@ import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -1065,31 +1065,24 @@ class Session:
         close the trace. Syncs with the device and the writer thread. Idempotent."""
         if self.closed:
             return
+        def last_write(write: Callable[[], Any], what: str) -> None:
+            try:
+                write()
+            except StopRun:
+                pass
+            except Exception as e:  # pragma: no cover - never mask the user's own error
+                log.warning("ampdoctor: could not write %s: %s", what, e)
+
         try:
             if self._window:  # the run's steps ended before a round was learnt: the parts set aside are a step
-                try:
-                    self._end_window()
-                except StopRun:
-                    pass
-                except Exception as e:  # pragma: no cover - never mask the user's own error
-                    log.warning("ampdoctor: could not write the last step: %s", e)
+                last_write(self._end_window, "the last step")
             # a partial last step: what ran since the last boundary, if it has rows or trained (a watched
             # call that only returned after the boundary is not a step: a module whose forward runs the
             # optimizer step, as Lightning's training_step called through DDP)
             if self._row_meta or self._worked:
-                try:
-                    self._partial_step()
-                except StopRun:
-                    pass
-                except Exception as e:  # pragma: no cover - never mask the user's own error
-                    log.warning("ampdoctor: could not flush the last step: %s", e)
+                last_write(self._partial_step, "the last step")
             if self._pending_scalars:  # steps not recorded since the last write (every > 1)
-                try:
-                    self._flush_soon(StepRows(self._row_policy), [], [], [], False)
-                except StopRun:
-                    pass
-                except Exception as e:  # pragma: no cover - never mask the user's own error
-                    log.warning("ampdoctor: could not write the last steps: %s", e)
+                last_write(lambda: self._flush_soon(StepRows(self._row_policy), [], [], [], False), "the last steps")
         finally:
             if self._deferred or self._boundary is not None:  # (a waiting step has no pending scalars left)
                 try:
