@@ -72,6 +72,8 @@ def _in_backward() -> bool:
 _NO_GRAD_NOTE = ("ran with gradients disabled during training (torch.no_grad() inside the model's forward, or "
                  "checkpoint(..., use_reentrant=True)): its outputs are recorded, with no gradient rows "
                  "(use_reentrant=False records the gradients of checkpointed layers)")
+_SPANNED_NOTE = ("returns after the optimizer step that ends the training step it began in (its forward runs "
+                 "the whole step): its outputs are not recorded; its layers' rows are")
 _SCALARS = (str, bytes, int, float, bool)
 _IDX = [str(i) for i in range(_MAX_TENSORS)]
 
@@ -521,6 +523,15 @@ class Watch:
                 return
             if not own_in[0]:  # its pre-hook ran (not pruned): this call is over
                 self._depth -= 1
+                if self._depth < 0:  # a call that began before the step boundary (its own optimizer step:
+                    self._depth = 0  # Lightning's training_step through the DDP wrapper): that step is written,
+                    stack.clear()    # and what its pre-hook held belonged to it; the output is not recorded
+                    vstack.clear()
+                    if s._fmt_auto:
+                        s.resolve_format(self.root)
+                    if record_stats:
+                        s.note_layer(lid, _SPANNED_NOTE)
+                    return
                 if out is None and _exc_info()[0] is not None:  # its forward raised (always_call): no output,
                     if vstack:  # not a call; what its pre-hook left goes
                         vstack.pop()

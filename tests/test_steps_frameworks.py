@@ -183,6 +183,27 @@ def test_no_empty_last_step_after_a_call_that_ends_past_the_step(tmp_path, retur
     assert {x["step"] for x in r.stats()} == set(range(12))
 
 
+def test_a_call_that_ends_past_the_step_records_no_output_into_the_next(tmp_path):
+    """All modules watched: the outer module's output, returned after its own optimizer step, is not
+    put into the next step's rows (the old code wrote step k's output as step k+1's, and a 5th step
+    holding only the last output); its inner layers' rows stay in their steps; a note says why."""
+    torch.manual_seed(0)
+    m = _StepModule(True)
+    path = tmp_path / "t.sqlite"
+    with ampdoctor.watch(m, trace=str(path), all_modules=True):
+        for _ in range(4):
+            m(torch.randn(8, 4))
+    r = TraceReader(path)
+    assert [(s["step"], s["optimizer_steps"]) for s in r.steps()] == [(k, k + 1) for k in range(4)]
+    root = next(x["id"] for x in r.layers() if x["name"] == "")
+    net = next(x["id"] for x in r.layers() if x["name"] == "net")
+    rows = r.stats()
+    assert not [x for x in rows if x["layer"] == root]
+    assert sorted(x["step"] for x in rows if x["layer"] == net and x["kind"] == "activation") == [0, 1, 2, 3]
+    notes = [e for e in r.events("note") if "optimizer step that ends" in e["detail"].get("message", "")]
+    assert len(notes) == 1
+
+
 def test_a_last_backward_without_an_optimizer_step_is_still_a_partial_step(tmp_path):
     """What trained after the last optimizer step (a gradient-accumulation remainder) is still written."""
     torch.manual_seed(0)
