@@ -12,6 +12,11 @@ the output against the target format:
 * **overflow**: finite values with ``|x| > fmt.max`` (fp32 outputs that would become Inf
   when cast to the format).
 
+An additive mask's own huge values are never the overflow: HF transformers' ``finfo(float32).min``
+at masked positions (beyond fp16's max), carried on by ``scores + mask`` and the ops after it, does
+not count, nor does the -Inf where fp16's ``-65504`` plus a negative score rounds beyond the range;
+the op that made values too large from values in range (the ``q @ k`` before the add) is named.
+
 Ops are named the way the user wrote them: ``matmul`` for ``q @ k`` (``Tensor.__matmul__``),
 ``mul`` for ``x * x``, ``linear`` (``F.linear`` inside ``nn.Linear``), ``softmax``, ``pow``;
 reflected operators lose their ``r`` and in-place ones get a trailing ``_`` (``__imul__`` ->
@@ -147,6 +152,28 @@ def _beyond(x: torch.Tensor, fmax: float) -> Optional[float]:
     x = x.detach()
     m = math.inf if not bool(torch.isfinite(x).all()) else max(float(x.max()), -float(x.min()))
     return m if m > fmax else None
+
+
+def _made_overflow(t: torch.Tensor, fmax: float, mag: float) -> int:
+    """How many finite values of ``t`` are beyond ``fmax`` but not of an additive mask's magnitude ``mag``
+    (at least half of it: a score added to finfo.min is still about finfo.min)."""
+    a = t.detach().float().abs()
+    return int(((a > fmax) & (a < mag / 2)).sum())
+
+
+def _mask_made_inf(t: torch.Tensor, masks: list[tuple[torch.Tensor, float]]) -> bool:
+    """Whether every -Inf of ``t`` sits where one of the mask-carrying inputs ``masks`` holds its mask's
+    magnitude: fp16's -65504 plus a negative score, or fp32's finfo.min cast to fp16, is -Inf because the
+    mask asked for a huge negative value there, not because this op overflowed."""
+    neg = torch.isneginf(t.detach())
+    for x, mag in masks:
+        try:
+            masked = torch.broadcast_to(x.detach() <= -mag / 2, t.shape)
+        except RuntimeError:  # not of the output's shape: an input of a fused op (attention with attn_mask)
+            continue
+        if not bool((neg & ~masked).any()):
+            return True
+    return False
 
 
 def _user_frame() -> Optional[tuple[str, int]]:
@@ -347,23 +374,29 @@ class OpProbe:
         op = _op_name(func)
         layer = self._stack[-1] if self._stack else "?"
         self.ops_seen += 1
-        mask = self._mask_magnitude(args, kwargs)
+        masks = self._mask_inputs(args, kwargs)
+        mask = max((m for _, m in masks), default=None)
         for t in outs:
             d = decode_row(tensor_stats(t, self.fmt).tolist(), self.fmt)
             bad = d["nan"] + d["posinf"] + d["neginf"]
-            producer = bad > 0 and not _nonfinite_scalar((args, kwargs)) and self._from_finite(args, kwargs, d)
-            finding = self._finding(layer, op, loc, d, producer, str(t.dtype).replace("torch.", ""), "forward")
-            if producer and t.dtype != torch.float32 and not any(k in op for k in _NO_RECOMPUTE) \
-                    and not op.endswith("_") and "out" not in kwargs:
-                finding.absmax_fp32 = self._absmax_fp32(func, args, kwargs)
-            if not producer and d["overflow"] > 0:
-                finding.passthrough = any(_beyond(x, self.fmt.max) is not None for x in _tensors((args, kwargs)))
+            producer = bad > 0 and not _nonfinite_scalar((args, kwargs)) and self._from_finite(args, kwargs, d) \
+                and not (d["nan"] + d["posinf"] == 0 and _mask_made_inf(t, masks))
             # an op that builds an additive mask, adds one, or passes a masked tensor on (a cast, a view) has the
             # mask's magnitude by construction: not the worst op (HF's eager attention: its finfo.min mask and
             # what held it were always the largest); one whose output is small again (the softmax) ends that
             held = _additive_mask(t) if t.numel() else False
             mag = abs(torch.finfo(t.dtype).min) if held else mask
             held = held or (mag is not None and not d["absmax"] < mag / 2)
+            if mag is not None and d["overflow"] > 0:
+                # the values beyond the format's max that the mask carried in (HF's finfo(float32).min where a
+                # position is masked) were not made here: count only those this op made from in-range values
+                d["overflow"] = _made_overflow(t, self.fmt.max, mag)
+            finding = self._finding(layer, op, loc, d, producer, str(t.dtype).replace("torch.", ""), "forward")
+            if producer and t.dtype != torch.float32 and not any(k in op for k in _NO_RECOMPUTE) \
+                    and not op.endswith("_") and "out" not in kwargs:
+                finding.absmax_fp32 = self._absmax_fp32(func, args, kwargs)
+            if not producer and d["overflow"] > 0:
+                finding.passthrough = any(_beyond(x, self.fmt.max) is not None for x in _tensors((args, kwargs)))
             if held:
                 self._masked[id(t)] = (weakref.ref(t), mag)
             self._keep(finding, producer or d["overflow"] > 0, worst=not held)
@@ -371,17 +404,17 @@ class OpProbe:
                 cell = self._cells[id(t)] = [False]  # set when t turns out to be the probed module's output
                 t.register_hook(self._grad_hook(layer, op, loc, cell))
 
-    def _mask_magnitude(self, args: tuple, kwargs: dict) -> Optional[float]:
-        """The largest magnitude an input holds by being an additive mask, or a tensor that carries one
-        (see :meth:`_record`); None where no input does."""
-        mag = None
+    def _mask_inputs(self, args: tuple, kwargs: dict) -> list[tuple[torch.Tensor, float]]:
+        """The inputs that are an additive mask, or a tensor that carries one (see :meth:`_record`), each with
+        the magnitude it holds so."""
+        found = []
         for x in _tensors((args, kwargs)):
             got = self._masked.get(id(x))
             m = got[1] if got is not None and got[0]() is x else (
                 abs(torch.finfo(x.dtype).min) if x.is_floating_point() and x.numel() and _additive_mask(x) else None)
-            if m is not None and (mag is None or m > mag):
-                mag = m
-        return mag
+            if m is not None:
+                found.append((x, m))
+        return found
 
     def _finding(self, layer: str, op: str, loc: tuple[str, int], d: dict, producer: bool,
                  dtype: str, phase: str) -> OpFinding:

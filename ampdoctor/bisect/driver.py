@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 from ..naming import half_weights_under, is_torch_module, module_expr, plain_fix, root_hint, wrapped_hint
 from ..oracle import OracleConfig
-from ..report.culprit import CAME_IN
+from ..report.culprit import CAME_IN, recomputed_note
 from ..trace import TraceReader
 from .candidates import Baseline, read_baseline
 from .search import find_culprits
@@ -73,12 +73,16 @@ def _ops_from(trace: Path, culprits: Sequence[str]) -> list[dict]:
             d = e["detail"]
             if d.get("pick") != pick:
                 continue
-            absmax = d.get("absmax_fp32") if d.get("absmax_fp32") is not None else d.get("absmax")
-            if d.get("nonfinite") and d.get("absmax_fp32") is None:
+            recomputed = d.get("absmax_fp32") is not None
+            absmax = d.get("absmax_fp32") if recomputed else d.get("absmax")
+            if d.get("nonfinite") and not recomputed:
                 absmax = math.inf
             item = {"layer": e["layer"], "op": d.get("op"), "where": d.get("where"), "absmax": absmax,
                     "phase": d.get("phase", "forward"), "nonfinite": bool(d.get("nonfinite")), "step": e["step"],
-                    "pick": pick, "dtype": d.get("dtype")}
+                    "pick": pick, "dtype": d.get("dtype"),
+                    # a non-finite low-precision output has no abs-max of its own: "fp32_recompute" says the
+                    # abs-max is of the same op recomputed in FP32 (what it would have produced), not of `dtype`
+                    "absmax_of": "fp32_recompute" if recomputed else "output"}
             if d.get("passthrough") and item["phase"] == "backward":
                 item["came_in"] = True  # its gradient was already non-finite where it left the culprit
             if not any(o["op"] == item["op"] and o["where"] == item["where"] and o["phase"] == item["phase"] for o in ops):
@@ -127,12 +131,13 @@ def fix_snippets(culprits: Sequence[str], types: dict[str, str], ops: list[dict]
     for o in ops:
         if o.get("pick") != "first":
             continue
+        amax = f"abs-max {_fmt(o['absmax'])}" + recomputed_note(o)
         if o["op"] in ("matmul", "bmm", "baddbmm", "einsum") and o["phase"] == "forward":
-            advice.append(f"{o['op']} at {o['where']} overflows (abs-max {_fmt(o['absmax'])}): scale an operand before "
+            advice.append(f"{o['op']} at {o['where']} overflows ({amax}): scale an operand before "
                           "the product (e.g. q * d**-0.5 before q @ k.T) or compute it in FP32; clamping after is too late.")
         elif o["op"] in ("mul", "pow", "square") and o["phase"] == "forward":
             what = {"mul": "the product", "pow": "the power", "square": "the square"}[o["op"]]
-            advice.append(f"{o['op']} at {o['where']} overflows (abs-max {_fmt(o['absmax'])}): compute {what} in FP32 "
+            advice.append(f"{o['op']} at {o['where']} overflows ({amax}): compute {what} in FP32 "
                           "(x.float()) or normalise by the abs-max first.")
     return advice
 

@@ -7,14 +7,24 @@ from __future__ import annotations
 import math
 
 from ..naming import half_weights_under, is_torch_module, plain_fix, root_hint, wrapped_hint, wrapper_of
+from ..trace import TraceReader
 from .model import LayerRow, Report, startup_backoffs
 from .phrasing import fmt_num, module_expr
 
-__all__ = ["MATMUL_OPS", "culprits", "culprit_advice", "attention_advice"]
+__all__ = ["MATMUL_OPS", "culprits", "culprit_advice", "attention_advice", "recomputed_note"]
 
 # how bisect's advice line starts when a culprit's input was already beyond the format's max as it was called
 CAME_IN = "The input of "
 MATMUL_OPS = ("matmul", "bmm", "baddbmm", "mm", "addmm", "linear", "einsum", "scaled_dot_product_attention")
+
+
+def recomputed_note(op: dict) -> str:
+    """What a bisect op entry's abs-max is of, where it is not of the op's own output (``absmax_of``
+    "fp32_recompute"): its low-precision output held Inf/NaN, so the drill-down ran the op again in
+    FP32 to measure how large the values really got."""
+    if op.get("absmax_of") != "fp32_recompute":
+        return ""
+    return f" when recomputed in FP32; its {op.get('dtype') or 'low-precision'} output held Inf/NaN"
 
 
 def culprits(report: Report) -> tuple[list[str], str]:
@@ -117,13 +127,74 @@ def culprit_advice(report: Report) -> list[str]:
                  plain_fix(module_expr(n, types=report.module_types), half_weights_under(n, half_weights(report)),
                            report.module_types.get(n), is_torch_module(report.module_types.get(n)))
                  for n in names)]
+    weights = [w for n in names for w in _weights_beyond(report, n)]
     if source == "first_nonfinite":
         lines[0] += (" (a suspect from this run's numbers: `ampdoctor bisect` re-runs the script to check that it "
                      "really fixes training, or finds that FP32 breaks too)")
-        lines += _nan_not_overflow(report, names[0])
+        lines += weights or _nan_not_overflow(report, names[0])
     else:  # what bisect's drill-down saw of the culprits' inputs (bisect.json's advice)
+        lines += weights
         lines += [a for a in (report.bisect or {}).get("advice") or [] if isinstance(a, str) and a.startswith(CAME_IN)]
     return lines
+
+
+def _weights_beyond(report: Report, layer: str) -> list[str]:
+    """The weights of ``layer`` (or of a layer inside it) that are stored in a wider dtype than the format and
+    hold values beyond its max: autocast casts them to the format when the layer runs, where they become Inf
+    (and Inf - Inf NaN), although the layer's input and recorded output show nothing too large."""
+    fmt = report.fmt
+    fn = report.diagnosis.first_nonfinite or {}
+    broke = fn.get("step") if fn.get("layer") == layer else None
+    out = []
+    for r in report.rows("weight"):
+        if not (r.layer == layer or layer in ("", "(root)") or r.layer.startswith(layer + ".")):
+            continue
+        if not r.overflow or not _wider(r.dtype, fmt.max):
+            continue
+        if broke is not None and r.first_bad_step is not None and r.first_bad_step > broke:
+            continue  # grew beyond the max after the layer broke: an echo, not the cause
+        beyond = f"above the {fmt.name} max {fmt.max:.6g}"
+        params = _params_beyond(report, r.layer, fmt.max)
+        if params:
+            held = "; ".join(f"{n} ({r.dtype}) holds {c} value{'s' if c != 1 else ''} {beyond} (abs-max "
+                             f"{fmt_num(a)}, from step {st})" for n, a, c, st in params)
+        else:
+            since = f", from step {r.first_bad_step}" if r.first_bad_step is not None else ""
+            held = f"the {r.dtype} weights of {r.layer} hold values {beyond} (abs-max {fmt_num(r.absmax)}{since})"
+        out.append(f"{held[0].upper()}{held[1:]}: autocast casts the weights to {fmt.name} when {r.layer} runs, and "
+                   f"those values become Inf, so its output turns Inf or NaN (Inf - Inf) although its input is finite. "
+                   f"Keeping {r.layer} in FP32 works around it; find out why the weights grew so large (learning "
+                   "rate, weight decay, the initialisation or a loaded checkpoint) and scale them down.")
+    return out
+
+
+def _wider(dtype: str, fmax: float) -> bool:
+    """Whether a weight's ``dtype`` holds values beyond the format's max (float32 does, float16 does not)."""
+    import torch
+
+    dt = getattr(torch, dtype, None)
+    return isinstance(dt, torch.dtype) and dt.is_floating_point and float(torch.finfo(dt).max) > fmax
+
+
+def _params_beyond(report: Report, layer: str, fmax: float) -> list[tuple[str, float, int, int]]:
+    """The parameters of ``layer`` (``weight``, ``bias``, ...) that held values beyond ``fmax``, from the trace's
+    weight rows: (qualified name, abs-max, most values beyond in one step, first step); none where the trace
+    cannot be read (a report rendered without it)."""
+    try:
+        with TraceReader(report.trace) as r:
+            lid = next((row["id"] for row in r.layers() if (row["name"] or "(root)") == layer), None)
+            rows = r.stats(kind="weight", layer=lid) if lid is not None else []
+    except Exception:  # noqa: BLE001 - a detail: the layer's numbers say it already
+        return []
+    seen: dict[str, list] = {}  # slot -> [abs-max, most values beyond in a step, first step]
+    for row in sorted(rows, key=lambda row: row["step"]):
+        a, n = row.get("absmax"), row.get("overflow") or 0
+        if not row.get("slot") or a is None or not a > fmax or not n:
+            continue
+        got = seen.setdefault(row["slot"], [0.0, 0, row["step"]])
+        got[0], got[1] = max(got[0], float(a)), max(got[1], int(n))
+    prefix = "" if layer in ("", "(root)") else layer + "."
+    return [(prefix + slot, a, n, st) for slot, (a, n, st) in seen.items()]
 
 
 def _nan_not_overflow(report: Report, layer: str) -> list[str]:
@@ -159,6 +230,9 @@ def attention_advice(report: Report) -> list[str]:
     where = f" at {mm['where']}" if mm.get("where") else ""
     if mm.get("absmax") is not None:
         amax = f" (abs-max {fmt_num(float(mm['absmax']))} vs {report.fmt.name} max {report.fmt.max:.6g})"
+        if recomputed_note(mm):
+            amax = f" (abs-max {fmt_num(float(mm['absmax']))} when recomputed in FP32 vs {report.fmt.name} max " \
+                   f"{report.fmt.max:.6g}; its {mm.get('dtype') or 'low-precision'} output held Inf/NaN)"
     else:
         amax = " (non-finite output)" if mm.get("nonfinite") else ""
     return [f"The first overflowing op is {mm.get('op')}{where} in {mm.get('layer')}{amax}, a matmul feeding a softmax: "
