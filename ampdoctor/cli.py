@@ -5,10 +5,11 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import click
 
@@ -63,6 +64,80 @@ def out_problem(out_dir: Path, names: Sequence[str] = ("trace.sqlite",)) -> None
         problem = trace_problem(out_dir / name)
         if problem:
             raise click.UsageError(f"{problem}: pick another --out or remove it")
+
+
+LOCK_NAME = ".ampdoctor.lock"  # in a run folder while a run or bisect writes there (holds its pid)
+
+
+def claim_out(out_dir: Path, names: Sequence[str] = ("trace.sqlite",)) -> Callable[[], None]:
+    """Make ``out_dir`` (the run folder) this command's, before anything runs: a usage error when another
+    ampdoctor run or bisect that is still running writes there (its traces would mix with this one's).
+    Told by the lock file that every run and bisect holds in its folder (an advisory lock, released
+    when its process ends, however it ends), and by a trace there that a live process still writes
+    (a script's own ``watch()``). The lock is released when the command ends, or by the function
+    returned."""
+    import socket
+
+    from .trace import _pid_alive, trace_meta
+
+    def refuse(what: str) -> None:
+        raise click.UsageError(f"{what}: pick another --out, or wait until it ends")
+
+    release = _lock_out(out_dir, refuse)
+    for name in names:
+        meta = trace_meta(out_dir / name) if (out_dir / name).is_file() else None
+        try:
+            pid = int((meta or {}).get("pid") or 0)
+        except ValueError:
+            pid = 0
+        if (meta or {}).get("status") == "running" and pid and pid != os.getpid() and \
+                meta.get("host") in (None, socket.gethostname()) and _pid_alive(pid):
+            release()
+            refuse(f"process {pid} is still writing the trace {out_dir / name}")
+    return release
+
+
+def _lock_out(out_dir: Path, refuse) -> Callable[[], None]:
+    """Take the run folder's lock (``refuse`` says who holds it); returns what releases it, which also
+    runs when the command ends."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - Windows: only the live trace test of claim_out
+        return lambda: None
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lock = out_dir / LOCK_NAME
+    f = open(lock, "a+")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        pid, _, command = f.read().strip().partition(" ")
+        f.close()
+        who = f"another `ampdoctor {command if command in ('run', 'bisect') else 'run'}`"
+        refuse(f"{who} (process {pid}) is still writing into {out_dir}" if pid.isdigit() else
+               f"{who} is still writing into {out_dir}")
+    ctx = click.get_current_context(silent=True)
+    f.truncate(0)
+    f.write(f"{os.getpid()} {ctx.info_name if ctx is not None else ''}\n")
+    f.flush()
+    _HELD.append(f)  # (held until released: a lock dies with its file object)
+
+    def release() -> None:
+        if f not in _HELD:
+            return
+        _HELD.remove(f)
+        try:
+            lock.unlink()
+        except OSError:
+            pass
+        f.close()
+
+    if ctx is not None:
+        ctx.call_on_close(release)
+    return release
+
+
+_HELD: list = []
 
 
 def default_out(script: str, command: str) -> Path:
@@ -208,15 +283,17 @@ def run(out, fmt, every, max_steps, all_modules, nproc, json_path, html_path, so
     Exits with the script's status (3 if it never trained)."""
     from .config import RunConfig
     from .report import build_report
-    from .runner import EXIT_NEVER_TRAINED, ScriptNotFound, run_script, script_problem
+    from .runner import EXIT_NEVER_TRAINED, ScriptNotFound, launch_problem, run_script
 
     reject_unknown_option(script)
-    problem = script_problem(script)
+    problem = launch_problem(script)
     if problem:
         raise click.UsageError(problem)
     _kinds(kinds)  # a usage error before the script runs, not after
     out_dir = Path(out) if out else default_out(script, "run")
-    out_problem(out_dir, ["trace.sqlite"] + [f"trace.rank{r}.sqlite" for r in range(1, nproc)])
+    traces = ["trace.sqlite"] + [f"trace.rank{r}.sqlite" for r in range(1, nproc)]
+    out_problem(out_dir, traces)
+    claim_out(out_dir, traces)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = RunConfig(trace=str(out_dir / "trace.sqlite"), format=fmt.lower(), every=every, max_steps=max_steps,
                     all_modules=all_modules)
@@ -233,7 +310,7 @@ def run(out, fmt, every, max_steps, all_modules, nproc, json_path, html_path, so
         report = build_report(result.trace)
         _print_report(report, sort, top, only_bad, match, kinds)
         _write_outputs(report, json_path, html_path, None, out_dir)
-        click.echo(f"run folder: {out_dir}  (re-render: ampdoctor report {out_dir})")
+        click.echo(f"run folder: {out_dir}  (re-render: ampdoctor report {shlex.quote(str(out_dir))})")
 
     def hard_exit(result) -> None:  # the script called os._exit(): the report now, then that exit
         show(result)
@@ -247,6 +324,8 @@ def run(out, fmt, every, max_steps, all_modules, nproc, json_path, html_path, so
         raise click.UsageError(str(e)) from None
     finally:
         os.chdir(cwd)
+    if result.status == "exited" and result.error:  # `raise SystemExit("message")`: Python prints the message
+        click.echo(result.error, err=True)
     if not result.trained and result.status == "finished" and {"-h", "--help"} & set(args):
         click.echo(f"ampdoctor: {script} printed its help and trained nothing (nothing recorded).", err=True)
         sys.exit(0)
@@ -259,12 +338,27 @@ def run(out, fmt, every, max_steps, all_modules, nproc, json_path, html_path, so
     if result.status == "stopped":
         click.echo(f"ampdoctor: stopped the script cleanly ({result.stop_reason}) after {result.steps} step(s).", err=True)
         sys.exit(0)
+    if not result.trained and result.children:
+        click.echo(f"ampdoctor: {script} never trained in the process ampdoctor runs it in; it started "
+                   f"{_children(result.children)}, which ampdoctor does not follow: training that runs in them is "
+                   "not in this report. To watch every rank, launch them through torchrun instead: make the script "
+                   "train in the process it is started in (rank and world size from the RANK/WORLD_SIZE/LOCAL_RANK "
+                   "environment variables, no mp.spawn) and run "
+                   f"`ampdoctor run --nproc-per-node N {shlex.quote(script)}`; or for one process, call the training "
+                   "function directly.", err=True)
+        sys.exit(result.exit_code or EXIT_NEVER_TRAINED)
     if not result.trained:
         click.echo(f"ampdoctor: {script} never trained: no optimizer.step() or GradScaler.update() ran. Check that the "
                    "script runs its training loop with these arguments (pass them after the script name)."
                    + misplaced_options(run, args), err=True)
         sys.exit(result.exit_code or EXIT_NEVER_TRAINED)
     sys.exit(result.exit_code)
+
+
+def _children(started: Sequence[str]) -> str:
+    """``2 child processes (torch.multiprocessing.spawn(worker))``: how many, through what."""
+    kinds = list(dict.fromkeys(started))
+    return f"{len(started)} child process{'es' if len(started) != 1 else ''} ({', '.join(kinds)})"
 
 
 def _run_torchrun(script, args, cfg, out_dir: Path, nproc: int, table, json_path, html_path) -> None:
@@ -284,7 +378,8 @@ def _run_torchrun(script, args, cfg, out_dir: Path, nproc: int, table, json_path
     report = build_report(out_dir)
     _print_report(report, *table)
     _write_outputs(report, json_path, html_path, None, out_dir)
-    click.echo(f"run folder: {out_dir}  ({len(results)} rank trace(s); `ampdoctor report {out_dir} --rank N`)")
+    click.echo(f"run folder: {out_dir}  ({len(results)} rank trace(s); `ampdoctor report {shlex.quote(str(out_dir))} "
+               "--rank N`)")
     r0 = results.get(0, next(iter(results.values())))
     crashed = {r: d for r, d in results.items() if d.get("status") == "crashed"}
     for rank, d in sorted(crashed.items()):
@@ -301,8 +396,9 @@ def _run_torchrun(script, args, cfg, out_dir: Path, nproc: int, table, json_path
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the report as JSON.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help="Write the HTML report.")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help="Write the per-layer table as CSV.")
-@click.option("--rank", type=click.IntRange(min=0), default=0, show_default=True,
-              help="Which rank's trace in a run folder.")
+@click.option("--rank", type=click.IntRange(min=0), default=None,
+              help="Which rank's trace of a torchrun run: in a run folder, or beside a trace file "
+                   "[default: rank 0 of a folder; the file given].")
 @_report_options
 def report(path, json_path, html_path, csv_path, rank, sort, top, only_bad, match, kinds):
     """Print (and write) the report of a trace file or run folder. Needs only the trace."""
@@ -334,7 +430,7 @@ def _trials_hint(folder: Path, message: str) -> str:
     if not traces:
         return f"; this bisect folder holds no trace yet (interrupted?), and no trial under {trials} recorded one"
     return (f"; this bisect folder holds no baseline trace yet (interrupted?): the trials' traces are in "
-            f"{trials}/ (e.g. `ampdoctor report {traces[0].parent}`)")
+            f"{trials}/ (e.g. `ampdoctor report {shlex.quote(str(traces[0].parent))}`)")
 
 
 def _register_bisect() -> None:

@@ -8,9 +8,10 @@ import logging
 import math
 import os
 import runpy
+import shlex
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -41,6 +42,47 @@ class ScriptResult:
     decision: Any = None
     trained: bool = True      # at least one step boundary (optimizer step / GradScaler update) ran
     completed: int = 0        # steps that reached their boundary (``steps`` counts one cut short too)
+    children: list[str] = field(default_factory=list)  # processes the script started to run its code (see _ChildWatch)
+
+
+class _ChildWatch:
+    """While the script runs: the Python processes it starts through ``multiprocessing`` (what
+    ``torch.multiprocessing.spawn`` uses) to run a function of its own, by what they run. ampdoctor
+    follows only the process it runs the script in, so a script that trains in such processes trains
+    unseen. DataLoader workers are not counted (they load data). Undone by :meth:`remove`."""
+
+    def __init__(self) -> None:
+        import multiprocessing.process as mpp
+
+        self.started: list[str] = []
+        self._cls, self._real = mpp.BaseProcess, mpp.BaseProcess.start
+        real, started = self._real, self.started
+
+        def start(proc: Any) -> None:
+            what = _child_target(proc)
+            if what is not None:
+                started.append(what)
+            real(proc)
+
+        self._cls.start = start
+
+    def remove(self) -> None:
+        self._cls.start = self._real
+
+
+def _child_target(proc: Any) -> str | None:
+    """What a ``multiprocessing`` process about to start runs: ``torch.multiprocessing.spawn(fn)`` or
+    ``multiprocessing.Process(fn)``; None for a DataLoader worker, or a process of no function."""
+    target = getattr(proc, "_target", None)
+    if target is None:
+        return None
+    module = getattr(target, "__module__", "") or ""
+    if module.startswith("torch.utils.data"):
+        return None
+    args = getattr(proc, "_args", ()) or ()
+    if module == "torch.multiprocessing.spawn" and args and callable(args[0]):
+        return f"torch.multiprocessing.spawn({getattr(args[0], '__qualname__', repr(args[0]))})"
+    return f"multiprocessing.Process({getattr(target, '__qualname__', repr(target))})"
 
 
 def _user_traceback(exc: BaseException, script: Path) -> str:
@@ -58,6 +100,9 @@ def _user_traceback(exc: BaseException, script: Path) -> str:
     return "".join(lines)
 
 
+PYTHON_SUFFIXES = ("", ".py", ".pyw", ".pyz")  # what Python runs as a script (none: `#!/usr/bin/env python` files)
+
+
 def script_problem(script: str | os.PathLike) -> str | None:
     """Why ``script`` cannot be run as a training script (a message that says what to give), or None."""
     path = Path(script)
@@ -68,12 +113,60 @@ def script_problem(script: str | os.PathLike) -> str | None:
     return f"script not found: {script} (give the path of a Python training script)"
 
 
+def launch_problem(script: str | os.PathLike) -> str | None:
+    """What ``ampdoctor run``/``bisect`` refuse before anything runs: :func:`script_problem`; a file
+    not named as Python source (``.txt``, ``.sh``, ``.yaml``: a config or a launcher given by mistake);
+    one that does not compile (its syntax error, said plainly, not a report of a run that never
+    trained; :func:`run_script` itself runs it and returns the error as the script's)."""
+    problem = script_problem(script)
+    if problem:
+        return problem
+    path = Path(script)
+    if path.suffix.lower() not in PYTHON_SUFFIXES:
+        return (f"{script} is not a Python script ({path.suffix} file): give the .py training script "
+                "(for a shell launcher, the .py it starts, with its arguments after the script's name)")
+    return compile_problem(path)
+
+
+def compile_problem(path: Path) -> str | None:
+    """The syntax error that stops ``path`` from running, said plainly (file:line, message, the line),
+    or None when it compiles (or is a zip archive, which Python runs as a whole)."""
+    import tokenize
+    import warnings
+    import zipfile
+
+    try:
+        if zipfile.is_zipfile(path):
+            return None
+        with tokenize.open(path) as f:  # (the encoding its coding line declares)
+            source = f.read()
+        with warnings.catch_warnings():  # (a SyntaxWarning is said again when the script runs)
+            warnings.simplefilter("ignore")
+            compile(source, str(path), "exec", dont_inherit=True)
+    except SyntaxError as e:  # (IndentationError, TabError too)
+        where = f"{path}:{e.lineno}" if e.lineno else str(path)
+        lines = [f"{path.name} has a syntax error, so it cannot run: {where}: {type(e).__name__}: {e.msg}"]
+        if e.text and e.text.strip():
+            text = e.text.rstrip("\n")
+            lines.append("    " + text.strip())
+            if e.offset and e.offset > 0:
+                lead = len(text) - len(text.lstrip())
+                lines.append("    " + " " * max(0, e.offset - 1 - lead) + "^")
+        lines.append("Fix it and run again.")
+        return "\n".join(lines)
+    except (ValueError, UnicodeDecodeError) as e:  # null bytes, not text in its encoding: not Python source
+        return f"{path} is not a Python script ({e}): give the .py training script"
+    except OSError as e:
+        return f"cannot read {path}: {e.strerror or e}"
+    return None
+
+
 def notebook_problem(script: str | os.PathLike) -> str | None:
     """A Jupyter notebook is JSON, not Python: say how to run it under ampdoctor instead."""
     if Path(script).suffix.lower() != ".ipynb":
         return None
     return (f"{script} is a Jupyter notebook, not a Python script: export it to one "
-            f"(`jupyter nbconvert --to script {script}`) and give the .py, or call `ampdoctor.watch(model)` "
+            f"(`jupyter nbconvert --to script {shlex.quote(str(script))}`) and give the .py, or call `ampdoctor.watch(model)` "
             "(or `ampdoctor.bisect(train_fn)`) inside the notebook")
 
 
@@ -99,6 +192,7 @@ def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig
     if config.auto_watch:
         from .autowatch import AutoWatch
         auto = AutoWatch(session)
+    children = _ChildWatch()
     saved_argv, saved_path = sys.argv[:], sys.path[:]
     saved_main = sys.modules.get("__main__")
     sys.argv = [str(path), *args]
@@ -111,6 +205,7 @@ def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig
         if done:
             return done[0]
         os._exit = real_exit
+        children.remove()
         sys.argv[:] = saved_argv
         sys.path[:] = saved_path
         if saved_main is not None:
@@ -135,7 +230,8 @@ def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig
             os.environ["AMPDOCTOR_CONFIG"] = saved_env
         done.append(ScriptResult(status=status, exit_code=code, trace=str(session.trace_path), steps=steps,
                                  optimizer_steps=opt_steps, error=err, traceback=tb, stop_reason=stop_reason,
-                                 decision=decision, trained=trained, completed=completed))
+                                 decision=decision, trained=trained, completed=completed,
+                                 children=list(children.started)))
         return done[0]
 
     def hard_exit(n: int) -> None:

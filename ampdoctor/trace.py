@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import queue
+import shlex
 import sqlite3
 import threading
 import urllib.parse
@@ -111,17 +112,88 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _uri(path: Path, flag: str) -> str:
+    return f"file:{urllib.parse.quote(str(path.resolve()))}?{flag}"
+
+
+def open_for_reading(path: str | os.PathLike, timeout: float = 30) -> sqlite3.Connection:
+    """A connection that reads the trace at ``path`` and leaves nothing beside it that was not there.
+
+    A trace the user can write is opened as usual (SQLite removes the ``-wal``/``-shm`` it made when
+    the last connection closes; a live run's own stay). One in a read-only file or folder is opened
+    ``mode=ro`` (a read-only folder where the ``-shm`` cannot be made: ``immutable=1``); the
+    ``-wal``/``-shm`` such a connection makes stay behind after it, so :func:`close_reading` removes
+    them. Raises :class:`sqlite3.Error` when none of these can read it."""
+    p = Path(path)
+    side = [Path(f"{p}{s}") for s in ("-wal", "-shm")]
+    before = {s for s in side if s.exists()}
+    writable = os.access(p, os.W_OK) and os.access(p.parent, os.W_OK | os.X_OK)
+    # (mode=rw: a missing file is an error, not a new empty database)
+    tries = ([(_uri(p, "mode=rw"), False)] if writable else []) + [(_uri(p, "mode=ro"), True),
+                                                                   (_uri(p, "mode=ro&immutable=1"), True)]
+    error: sqlite3.Error | None = None
+    for target, read_only in tries:
+        con = None
+        try:
+            con = sqlite3.connect(target, uri=True, timeout=timeout)
+            con.execute("SELECT COUNT(*) FROM sqlite_master").fetchone()  # (the file is opened here, not at connect)
+        except sqlite3.OperationalError as e:  # cannot write, cannot make the -shm: the next, more read-only way
+            error = e
+            if con is not None:
+                con.close()
+            _remove_made(side, before)
+            continue
+        except BaseException:
+            if con is not None:
+                con.close()
+            _remove_made(side, before)
+            raise
+        if read_only:
+            _MADE[id(con)] = (side, before)
+            if "immutable" in target and any(s.name.endswith("-wal") and s.stat().st_size for s in before):
+                log.warning("ampdoctor trace: %s is in a read-only folder and its last steps are still in %s-wal, "
+                            "which cannot be read from there: copy the folder somewhere writable to see them", p, p)
+        return con
+    assert error is not None
+    raise error
+
+
+_MADE: dict[int, tuple[list[Path], set[Path]]] = {}  # read-only connections: the side files they may make
+
+
+def _remove_made(side: list[Path], before: set[Path]) -> None:
+    """The ``-wal``/``-shm`` a read-only connection made (they were not there before it): removed
+    once the ``-wal`` is empty (nothing that a writer added meanwhile is lost)."""
+    made = [s for s in side if s not in before and s.exists()]
+    wal = next((s for s in made if s.name.endswith("-wal")), None)
+    try:
+        if wal is not None and wal.stat().st_size:
+            return
+        for s in made:
+            s.unlink()
+    except OSError:  # a read-only folder: nothing was made there anyway
+        pass
+
+
+def close_reading(con: sqlite3.Connection) -> None:
+    """Close a connection of :func:`open_for_reading` (and remove what it made beside the trace)."""
+    made = _MADE.pop(id(con), None)
+    con.close()
+    if made is not None:
+        _remove_made(*made)
+
+
 def trace_meta(path: Path) -> dict | None:
     """The ``meta`` table of the ampdoctor trace at ``path`` (a non-empty file), or None when the file
     is not one (not SQLite, or SQLite without ampdoctor's metadata)."""
     meta = None
     try:
-        con = sqlite3.connect(f"file:{urllib.parse.quote(str(Path(path).resolve()))}?mode=ro", uri=True, timeout=30)
+        con = open_for_reading(path)
         try:
             meta = dict(con.execute("SELECT key, value FROM meta").fetchall())
         finally:
-            con.close()
-    except (sqlite3.Error, ValueError, TypeError):
+            close_reading(con)
+    except (sqlite3.Error, ValueError, TypeError, OSError):
         pass
     return meta if meta is not None and "schema_version" in meta else None
 
@@ -466,17 +538,47 @@ def _rank_of(p: Path) -> tuple[int, str]:
     return 0, p.name
 
 
+def _run_of(p: Path) -> str:
+    """The run a trace file belongs to: its name without the rank (``run.rank1.sqlite`` -> ``run.sqlite``)."""
+    return ".".join(part for part in p.name.split(".") if not (part.startswith("rank") and part[4:].isdigit()))
+
+
 def find_traces(path: str | os.PathLike) -> list[Path]:
-    """Trace files of a run: the file itself, or every ``trace*.sqlite`` in a run folder."""
+    """Trace files of a run: the file itself, or the traces in a run folder: every ``trace*.sqlite``
+    (``ampdoctor run``'s), else the ampdoctor traces among its ``*.sqlite`` (a name given to
+    ``watch(trace=...)``: ``run.sqlite``, ``run.rank1.sqlite``), when they are the ranks of one run."""
     p = Path(path)
     if p.is_dir():
         files = sorted(p.glob("trace*.sqlite"), key=_rank_of)
-        if not files:
-            raise FileNotFoundError(f"no trace*.sqlite in {p}; pass a run folder made by `ampdoctor run` or a .sqlite trace")
-        return files
+        if files:
+            return files
+        ours = [f for f in sorted(p.glob("*.sqlite")) if f.is_file() and trace_meta(f) is not None]
+        runs = sorted({_run_of(f) for f in ours})
+        if len(runs) > 1:
+            raise FileNotFoundError(f"{p} holds the traces of {len(runs)} runs ({', '.join(runs)}); pass the one to show "
+                                    f"(e.g. `ampdoctor report {shlex.quote(str(p / runs[0]))}`)")
+        if not ours:
+            raise FileNotFoundError(f"no ampdoctor trace (*.sqlite) in {p}; pass a run folder made by `ampdoctor run` or "
+                                    "a .sqlite trace")
+        return sorted(ours, key=_rank_of)
     if not p.exists():
         raise FileNotFoundError(f"{p} does not exist; pass a run folder or a .sqlite trace")
     return [p]
+
+
+def rank_siblings(path: str | os.PathLike) -> dict[int, Path]:
+    """The rank traces of the run that the trace file ``path`` belongs to, by rank: the files beside it
+    of the same name but the rank (``trace.sqlite``, ``trace.rank1.sqlite``, ...)."""
+    p = Path(path)
+    run = _run_of(p)
+    stem, dot, suffix = run.rpartition(".")
+    pattern = f"{stem}.rank*.{suffix}" if dot else f"{run}.rank*"
+    found = {_rank_of(f)[0]: f for f in p.parent.glob(pattern) if _run_of(f) == run and f.is_file()}
+    base = p.parent / run
+    if base.is_file():
+        found.setdefault(0, base)
+    found[_rank_of(p)[0]] = p
+    return dict(sorted(found.items()))
 
 
 class TraceReader:
@@ -486,19 +588,25 @@ class TraceReader:
         self.path = Path(path)
         if not self.path.exists():
             raise FileNotFoundError(f"trace {self.path} does not exist")
-        self._con = sqlite3.connect(str(self.path), timeout=30)
+        try:
+            self._con = open_for_reading(self.path)
+        except sqlite3.DatabaseError as e:
+            raise ValueError(f"{self.path} is not an ampdoctor trace ({e})") from e
         self._con.row_factory = sqlite3.Row
         try:
             version = self.meta().get("schema_version")
         except sqlite3.DatabaseError as e:
+            self.close()
             raise ValueError(f"{self.path} is not an ampdoctor trace ({e})") from e
         if version is None:
+            self.close()
             raise ValueError(f"{self.path} is not an ampdoctor trace (no schema_version)")
         if int(version) > SCHEMA_VERSION:
+            self.close()
             raise ValueError(f"{self.path} has trace schema {version}; this ampdoctor reads <= {SCHEMA_VERSION}: upgrade ampdoctor")
 
     def close(self) -> None:
-        self._con.close()
+        close_reading(self._con)
 
     def __enter__(self) -> TraceReader:
         return self

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import signal
 import sys
 from pathlib import Path
@@ -63,7 +64,8 @@ def _summary(res: dict) -> str:
         lines.append(f"{'cause' if a.startswith(CAME_IN) else 'fix'}: {a}")
     for note in res.get("notes", []) if res["verdict"] != "inconclusive" else []:
         lines.append(f"note: {note}")
-    lines.append(f"run folder: {res['out']}  (trials, logs, bisect.json; report: ampdoctor report {res['out']})")
+    lines.append(f"run folder: {res['out']}  (trials, logs, bisect.json; report: ampdoctor report "
+                 f"{shlex.quote(str(res['out']))})")
     return "\n".join(lines)
 
 
@@ -108,12 +110,19 @@ def bisect_command(out, json_path, fmt, jobs, repeat, timeout, max_steps, margin
 
     Options go before SCRIPT; everything after it (or after `--`) is the script's own.
     Exit status: 0 culprit or healthy, 1 error, 2 usage, 3 not_precision, 4 inconclusive."""
-    from ..cli import _script_args, default_out, misplaced_options, out_problem, reject_unknown_option
-    from ..runner import script_problem
+    from ..cli import (
+        _script_args,
+        claim_out,
+        default_out,
+        misplaced_options,
+        out_problem,
+        reject_unknown_option,
+    )
+    from ..runner import launch_problem
     from .driver import BisectOptions, run_bisect
 
     reject_unknown_option(script)
-    problem = script_problem(script)
+    problem = launch_problem(script)
     if problem:
         raise click.UsageError(problem)
     if not (control_blowup == 0 or control_blowup > 1):  # (NaN too)
@@ -131,6 +140,7 @@ def bisect_command(out, json_path, fmt, jobs, repeat, timeout, max_steps, margin
         raise click.BadParameter(str(e)) from None
     out_dir = Path(out) if out else default_out(script, "bisect")
     out_problem(out_dir)  # the baseline's trace is copied there at the end
+    claim_out(out_dir)  # (another run or bisect that writes there: refused)
     opts = BisectOptions(fmt=fmt.lower(), oracle=oracle, timeout=timeout, max_steps=max_steps, margin=margin, jobs=jobs,
                          repeat=repeat, drill=not no_drill, max_trials=max_trials, divergence=divergence,
                          use_hints=not no_hints, nproc=nproc, fork=True,  # this process ran no torch op
@@ -148,7 +158,8 @@ def bisect_command(out, json_path, fmt, jobs, repeat, timeout, max_steps, margin
         said = getattr(e, "baseline_trace", None) is not None  # (kept in out_dir by the driver)
         click.echo(f"\nampdoctor bisect: {'terminated' if status == 143 else 'interrupted'}; stopped the running "
                    f"trial(s); what ran is in {out_dir / 'trials'}"
-                   + (f"; the baseline's report: ampdoctor report {out_dir}" if said else ""), err=True)
+                   + (f"; the baseline's report: ampdoctor report {shlex.quote(str(out_dir))}" if said else ""),
+                   err=True)
         if (out_dir / "bisect.json").exists():
             _copy_json(out_dir, json_path)
         sys.exit(status)

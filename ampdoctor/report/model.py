@@ -14,7 +14,7 @@ import numpy as np
 
 from ..formats import Format, get_format
 from ..oracle import NAN_SKIPS, Decision, Oracle, OracleConfig, trailing_nonfinite_start
-from ..trace import TraceReader, _pid_alive, _rank_of, find_traces
+from ..trace import TraceReader, _pid_alive, _rank_of, find_traces, rank_siblings
 
 KIND_TITLES = {
     "activation": "Activations (forward outputs)",
@@ -489,8 +489,10 @@ def _other_ranks(files: list[Path], shown: Path) -> list[str]:
     return notes
 
 
-def build_report(path: str | Path, *, rank: int = 0) -> Report:
-    """Read a trace file (or a run folder's rank-``rank`` trace) into a :class:`Report`."""
+def build_report(path: str | Path, *, rank: int | None = None) -> Report:
+    """Read a trace file (or a run folder's rank-``rank`` trace) into a :class:`Report`. ``rank``: of a
+    run folder, that rank's trace (None: rank 0, else the lowest there); of a trace file, the trace of
+    that rank beside it (``trace.rank1.sqlite`` for ``trace.sqlite``; None: the file itself)."""
     try:
         files = find_traces(path)
     except FileNotFoundError as e:
@@ -507,10 +509,16 @@ def build_report(path: str | Path, *, rank: int = 0) -> Report:
     trace = files[0]
     if Path(path).is_dir():  # a run folder: the trace of rank ``rank`` (trace.rankN.sqlite), not the N-th file
         ranks = {_rank_of(f)[0]: f for f in files}
-        if rank in ranks:
-            trace = ranks[rank]
-        elif rank != 0:  # (the default, rank 0, falls back to the lowest rank there)
+        if (0 if rank is None else rank) in ranks:
+            trace = ranks[0 if rank is None else rank]
+        elif rank is not None:  # (no rank asked for: the lowest rank there)
             raise ValueError(f"no trace of rank {rank} in {path}; ranks there: {', '.join(map(str, sorted(ranks)))}")
+    elif rank is not None:  # a trace file: that rank's trace of the same run, beside it
+        ranks = rank_siblings(trace)
+        if rank not in ranks:
+            raise ValueError(f"no trace of rank {rank} beside {path} (its run's traces there: "
+                             f"{', '.join(f'rank {r} {f.name}' for r, f in ranks.items())})")
+        trace, files = ranks[rank], list(ranks.values())
     with TraceReader(trace) as reader, reader.snapshot():
         meta = reader.meta()
         fmt = get_format(meta.get("format", "fp16"))
