@@ -69,6 +69,34 @@ class _Layer:
     notes: set = field(default_factory=set)
 
 
+def _shown_name(layer: _Layer) -> str:
+    """A layer's name as a note shows it: the model itself (named "", or a second model's bare prefix
+    ``Class:``, ``Class#2:``) as ``(model) Class``, ``(model) Class#2``."""
+    if not layer.name:
+        return f"(model) {layer.type}"
+    return f"(model) {layer.name[:-1]}" if layer.name.endswith(":") else layer.name
+
+
+# what a flag-only check covers, by phase (see Session._stale_row)
+_STALE_WHAT = {"in": "its input", "out": "its output", "gin": "the gradient of its input",
+               "gout": "the gradient of its output"}
+
+
+def _stepped_without_grads(optimizer: Any) -> bool:
+    """Whether none of ``optimizer``'s parameters holds a gradient, some of them requiring one (stops
+    at the first gradient: one parameter looked at on a normal step). Never raises."""
+    trains = False
+    try:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    return False
+                trains = trains or p.requires_grad
+    except Exception:  # pragma: no cover - an optimizer without torch's param_groups: not ours to judge
+        return False
+    return trains
+
+
 def _rank() -> int:
     for var in ("RANK", "LOCAL_RANK"):
         if os.environ.get(var, "").isdigit():
@@ -166,6 +194,8 @@ class Session:
         self._boundary_now = False
         self._mid_step = False  # writing a deferred step from inside the next one (see on_backward)
         self._late_grads_said = False  # (see _late_weight_grads)
+        self._backward_error_said = False  # (see on_backward_error)
+        self._no_grad_step_said = False  # (see on_optimizer_step)
         self._stopped: StopRun | None = None  # the StopRun this session raised, once it has (see _caught_stop)
         self._stop_caught = False
         self.trained = False  # a backward pass ran: forwards with gradients disabled are evaluation from now on
@@ -233,8 +263,9 @@ class Session:
         if message in layer.notes:
             return
         layer.notes.add(message)
-        log.info("ampdoctor: %s: %s", layer.name, message)
-        self.writer.add_event(self.step, "note", layer.name, message=message)
+        name = _shown_name(layer)
+        log.info("ampdoctor: %s: %s", name, message)
+        self.writer.add_event(self.step, "note", name, message=message)
 
     def note(self, message: str, **detail: Any) -> None:
         log.warning("ampdoctor: %s", message)
@@ -257,6 +288,7 @@ class Session:
         self._skipped: torch.Tensor | None = None
         self._active = False
         self._worked = False  # a backward pass or a scaler.scale() since the boundary (see close)
+        self._backward_raised = False  # a backward pass raised this step (see on_backward_error)
         # Before the first backward pass: outermost watched calls so far this step all ran with gradients
         # disabled (a sanity-check validation, a model summary's example forward), and none with them
         # enabled (see outermost_call)
@@ -445,9 +477,20 @@ class Session:
         torch.autograd.Variable._execution_engine.queue_callback(at_backward_end)
 
     def _stale_row(self, key: Any) -> None:
-        lid, kind, slot = key if len(key) == 3 else (key[0][0], "flag", key[0][2])
-        self.note_layer(lid, f"{kind} {slot} changed in place before it could be measured: not recorded this "
-                             "step; measured in its hook from now on")
+        """A tensor waiting to be measured was changed in place first (the loop's ``loss *= n`` on the
+        model's output, an in-place op on a gradient): it is missing from this step, and is measured as
+        soon as it is made from now on (the policy marked its key)."""
+        if len(key) == 3:
+            lid, kind, slot = key
+            what = "its output" if kind == "activation" else "the gradient of its output"
+            if slot != "out":
+                what += f" {slot}"
+        else:
+            lid, phase = key[0][0], key[0][2]
+            what = _STALE_WHAT.get(phase, f"its {phase}")
+        self.note_layer(lid, f"{what} was changed in place (e.g. `loss *= n` or an in-place op on it) before "
+                             f"ampdoctor read it, so step {self.step} has no statistics or NaN/Inf check of it; from "
+                             "the next step on it is read as soon as it is made. Nothing to fix in your code.")
 
     # -- what the step tracker reports -----------------------------------------------------
     def on_backward(self, tensors: Any) -> None:
@@ -476,6 +519,29 @@ class Session:
         t = tensors[0] if isinstance(tensors, (tuple, list)) and len(tensors) == 1 else tensors
         if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point() and not t.is_meta:
             self._losses.append(t.detach().reshape(()).to(torch.float64, copy=True))
+
+    def on_backward_error(self, error: BaseException) -> None:
+        """A backward pass raised (the user's code: a custom autograd Function's backward, a shape
+        mismatch). Its step's gradients stop where it raised: none are read where the step ends, and
+        the first such error is a note and in the trace's metadata (the report's advice says to fix it
+        first). Never raises: the user's exception goes on unchanged."""
+        try:
+            self._backward_raised = True
+            if self._backward_error_said or self.closed:
+                return
+            self._backward_error_said = True
+            text = str(error).strip().splitlines()
+            first = text[0] if text else ""
+            err = f"{type(error).__name__}: {first[:300]}" if first else type(error).__name__
+            self.writer.set_meta(backward_error=err, backward_error_step=self.step)
+            why = ("autograd's anomaly detection found a NaN there: the rows recorded before it show where it came from"
+                   if "nan values" in first.lower() else
+                   "this is an error in the code the backward pass ran, not a numerical one")
+            self.note(f"backward() raised at step {self.step}: {err}. The gradients recorded for that step are "
+                      f"partial (the backward pass stopped where it raised); {why}.")
+            self.writer.commit()
+        except Exception as e:  # pragma: no cover - never mask the user's own error
+            log.warning("ampdoctor: could not record the backward pass's error: %s: %s", type(e).__name__, e)
 
     def on_scaled_loss(self, scaler: Any, loss: torch.Tensor, scaled: Any = None) -> None:
         self._active = self._worked = True
@@ -538,6 +604,11 @@ class Session:
 
     def on_optimizer_step(self, optimizer: Any) -> None:
         self.optimizer_steps += 1
+        if not self._no_grad_step_said and _stepped_without_grads(optimizer):
+            self._no_grad_step_said = True
+            self.note(f"{type(optimizer).__name__}.step() ran at step {self.step} while none of its parameters had a "
+                      "gradient, so it changed no weight. Did loss.backward() run before it? A zero_grad() between "
+                      "backward() and step() clears the gradients too: call it before backward() or after step().")
         if self._scaler is not None or self._scaled_loss_seen:
             self._unit_opts.add(self._opt_id(optimizer))  # with a GradScaler the unit ends at update()
             return
@@ -866,6 +937,8 @@ class Session:
     def _late_weight_grads(self, w: Any) -> None:
         """A recorded step whose backward passes left no weight gradient (``torch.autograd.grad``'s
         results assigned to ``.grad``): the gradients the optimizer stepped with, read at the step's end."""
+        if self._backward_raised:  # (its .grad: what the pass that raised left half-written)
+            return
         w.record_weight_grads()
         if w.wgrad_rows and not self._late_grads_said:
             self._late_grads_said = True

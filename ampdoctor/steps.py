@@ -3,7 +3,8 @@
 While at least one watch is active, these are patched or hooked, and all are undone by
 :meth:`StepTracker.uninstall` (the process is exactly as before):
 
-* ``torch.autograd.backward`` is wrapped to see the loss (the root of ``loss.backward()``), and
+* ``torch.autograd.backward`` is wrapped to see the loss (the root of ``loss.backward()``) and an
+  exception the backward pass raised, and
   ``torch.autograd.grad`` to see a scaled loss that only makes gradients for a penalty (the AMP
   recipe's gradient penalty), which is then not the step's loss;
 * ``GradScaler.scale`` / ``GradScaler.step`` / ``GradScaler.update`` (``torch.amp`` and the
@@ -73,6 +74,23 @@ def _notify_first(orig: Callable, notify: Callable[[Any], None], arg: str | None
     return wrapper
 
 
+def _backward_wrapper(orig: Callable, sink: Any) -> Callable:
+    """``torch.autograd.backward`` (what ``loss.backward()`` calls), wrapped to tell ``sink`` its root
+    before it runs and the exception it raised, if any (a custom autograd Function's backward, a shape
+    mismatch), which is raised on unchanged."""
+
+    @functools.wraps(orig)
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        sink.on_backward(args[0] if args else kwargs.get("tensors"))
+        try:
+            return orig(*args, **kwargs)
+        except Exception as e:
+            sink.on_backward_error(e)
+            raise
+
+    return backward
+
+
 class StepTracker:
     """Installs the patches and forwards what they see to ``sink`` (the session)."""
 
@@ -87,7 +105,7 @@ class StepTracker:
         if self.installed:
             return
         sink = self._sink
-        self._patch(torch.autograd, "backward", _notify_first(torch.autograd.backward, lambda t: sink.on_backward(t), "tensors"))
+        self._patch(torch.autograd, "backward", _backward_wrapper(torch.autograd.backward, sink))
         self._patch(torch.autograd, "grad", _notify_first(torch.autograd.grad, lambda t: sink.on_autograd_grad(t), "outputs"))
         orig_getstate = torch.nn.Module.__getstate__
 

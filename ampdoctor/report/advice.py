@@ -32,13 +32,32 @@ from .readiness import readiness, readiness_advice
 from .scaler_health import ScalerHealth, scaler_advice, scaler_health
 from .training import divergence_advice, pure_half_advice
 
-__all__ = ["advise", "LossScaleRange", "LossScaleAnalysis", "loss_scale_range", "loss_scale_analysis",
-           "ScalerHealth", "scaler_health", "readiness", "module_expr", "culprits"]
+__all__ = ["advise", "backward_error_advice", "stopped_in_backward", "LossScaleRange", "LossScaleAnalysis",
+           "loss_scale_range", "loss_scale_analysis", "ScalerHealth", "scaler_health", "readiness", "module_expr", "culprits"]
+
+
+def backward_error_advice(report: Report) -> list[str]:
+    """A backward pass that raised (the session's ``backward_error`` metadata): the first thing to fix."""
+    err = report.meta.get("backward_error")
+    if not err:
+        return []
+    step = report.meta.get("backward_error_step")
+    at = f" at step {step}" if step is not None else ""
+    return [f"Fix the error that backward() raised{at} first ({err}): the gradients of that step stop where it "
+            "raised, so the numbers recorded for them are partial."]
+
+
+def stopped_in_backward(report: Report) -> bool:
+    """backward() raised and no optimizer step ran (none taken, none skipped by a GradScaler): the only
+    gradients recorded are the partial ones of the pass that raised, a loss scale for them means nothing.
+    (A loop that updates its weights by hand also counts no optimizer step: its full gradients do.)"""
+    return (bool(report.meta.get("backward_error")) and report.diagnosis.optimizer_steps == 0
+            and not any(t.get("skipped") for t in report.timeline))
 
 
 def advise(report: Report) -> list[str]:
     """Advice items, most important first; every item says the numbers it rests on."""
-    out: list[str] = []
+    out: list[str] = backward_error_advice(report)
     ready = readiness(report)
     scaler = scaler_health(report)
     try:
@@ -60,7 +79,7 @@ def advise(report: Report) -> list[str]:
         out += attention_advice(report)
     out += diverged
     out += scaler_advice(report, scaler, ls)
-    if report.fmt.name not in ("fp32",):
+    if report.fmt.name not in ("fp32",) and not stopped_in_backward(report):
         out += zero_gradient_advice(report, ls)
         out += loss_scale_advice(report, ls, ready is not None)
     out += pure_half_advice(report, scaler)

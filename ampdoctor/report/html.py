@@ -22,6 +22,7 @@ from .model import KIND_TITLES, LayerRow, Report
 from .phrasing import fmt_bits as _bits
 from .phrasing import fmt_num as _num
 from .phrasing import fmt_pct as _pct
+from .phrasing import plural
 
 log = logging.getLogger(__name__)
 
@@ -115,17 +116,19 @@ def _diagnosis(report: Report, ready: dict | None) -> str:
         n_over = len({r.layer for rows in ready["overflow"].values() for r in rows})
         n_under = len({r.layer for rows in ready["underflow"].values() for r in rows})
         badge = (f'<span class="badge readiness">{_e(fmt.name)} readiness</span>'
-                 f"would overflow in {_e(fmt.name)}: {n_over} layer(s); would underflow: {n_under} layer(s) "
+                 f"would overflow in {_e(fmt.name)}: {plural(n_over, 'layer')}; would underflow: "
+                 f"{plural(n_under, 'layer')} "
                  f"<span class=\"muted\">(no autocast in this run: every activation was float32)</span>")
         title = f"Diagnosis: {fmt.name} readiness"
     elif d.broke:
         badge = f'<span class="badge broke">broke at step {_e(d.step)}</span>{_e(d.reason or "")}'
         title = "Diagnosis"
     else:
-        badge = f'<span class="badge healthy">did not break</span>{_e(d.steps_seen)} steps seen'
+        badge = f'<span class="badge healthy">did not break</span>{_e(plural(d.steps_seen, "step"))} seen'
         title = "Diagnosis"
     rng = (f"{fmt.name}: max {fmt.max:.6g}, smallest normal {fmt.smallest_normal:.3g}, smallest subnormal "
-           f"{fmt.smallest_subnormal:.3g}; {d.steps_seen} steps, {d.optimizer_steps} optimizer steps, "
+           f"{fmt.smallest_subnormal:.3g}; {plural(d.steps_seen, 'step')}, "
+           f"{plural(d.optimizer_steps, 'optimizer step')}, "
            f"{d.skipped_steps} skipped")
     return _section("diagnosis", title, f"<p>{badge}</p>{_ul(d.lines)}<p class=\"muted\">{_e(rng)}</p>")
 

@@ -16,7 +16,7 @@ from typing import NamedTuple
 from ..formats import Format
 from ..naming import root_hint, wrapper_of
 from .model import Report
-from .phrasing import fmt_num, module_expr, pow2, scale_literal
+from .phrasing import fmt_num, module_expr, plural, pow2, scale_literal
 from .unscaled import grad_layers, unscaled_hists
 
 __all__ = ["MAX_UNDERFLOW_PCT", "LossScaleRange", "LossScaleAnalysis", "loss_scale_range", "loss_scale_analysis",
@@ -111,6 +111,11 @@ def loss_scale_range(report: Report, *, max_underflow_pct: float = MAX_UNDERFLOW
     return LossScaleRange(2.0 ** a.k_lo, 2.0 ** a.k_hi, 2.0 ** a.k_rec)
 
 
+def _over(ls: LossScaleAnalysis) -> str:
+    """What the advisor read: ``1000 values over 4 steps``."""
+    return f"{plural(ls.values, 'value')} over {plural(ls.steps_used, 'step')}"
+
+
 def loss_scale_advice(report: Report, ls: LossScaleAnalysis | None, ready: bool) -> list[str]:
     """The static loss scales that fit (or why none does), and layers too wide for the format;
     ``ready``: the run had no autocast, so the advice is how to start using a GradScaler."""
@@ -120,12 +125,12 @@ def loss_scale_advice(report: Report, ls: LossScaleAnalysis | None, ready: bool)
     out = []
     if fmt.max_exp >= 100 and ls.feasible and ls.k_lo <= 0 <= ls.k_hi:
         return [f"Gradients fit {fmt.name} at scale 1 ({fmt.name} has FP32's exponent range): no loss scaling needed "
-                f"(largest gradient binade 2**{ls.top_exp}, {ls.values} values over {ls.steps_used} steps)."]
+                f"(largest gradient binade 2**{ls.top_exp}, {_over(ls)})."]
     if fmt.max_exp >= 100 and ls.feasible and ls.k_lo > 0:
         # bf16 too: its range is FP32's, but gradients that small still fall below it (a loss scaled down
         # by far), so scale 1 leaves them subnormal or zero
         return [f"Gradients underflow {fmt.name} at scale 1: more than {ls.max_underflow_pct:g}% of the recorded "
-                f"gradient values are subnormal or flushed to zero ({ls.values} values over {ls.steps_used} steps, "
+                f"gradient values are subnormal or flushed to zero ({_over(ls)}, "
                 f"largest binade 2**{ls.top_exp}). Static loss scales from {pow2(ls.k_lo)} to {pow2(ls.k_hi)} keep "
                 f"them in range: multiply the loss by {scale_literal(ls.k_rec)} before backward and divide the "
                 "gradients by it before the optimizer step, or make the loss larger where it is computed."]
@@ -138,13 +143,13 @@ def loss_scale_advice(report: Report, ls: LossScaleAnalysis | None, ready: bool)
                f"`torch.amp.GradScaler(init_scale={scale_literal(ls.k_rec)}, growth_interval=2000)`")
         out.append(f"{lead}static loss scales from {pow2(ls.k_lo)} to {pow2(ls.k_hi)} keep every recorded gradient "
                    f"below the {fmt.name} max and at most {ls.max_underflow_pct:g}% of them subnormal or flushed "
-                   f"({ls.values} values over {ls.steps_used} steps, unscaled). Recommended {how}; at that scale "
+                   f"({_over(ls)}, unscaled). Recommended {how}; at that scale "
                    f"{under} of the gradient values underflow.")
     else:
         out.append(f"No single static loss scale fits the gradients in {fmt.name}: avoiding overflow needs a scale "
                    f"<= {pow2(ls.k_hi)}, keeping underflow at most {ls.max_underflow_pct:g}% needs >= {pow2(ls.k_lo)}.")
     if ls.too_wide:
-        names = ", ".join(f"{n} ({ls.spans[n]} binades)" for n in ls.too_wide[:5])
+        names = ", ".join(f"{n} ({plural(ls.spans[n], 'binade')})" for n in ls.too_wide[:5])
         out.append(f"Gradients of {names} span more binades than {fmt.name}'s normal range holds "
                    f"({fmt.max_exp - fmt.normal_exp}): run these layers in bf16 or FP32, e.g. "
                    f"`ampdoctor.keep_fp32({module_expr(ls.too_wide[0], types=report.module_types)})`"
@@ -165,8 +170,10 @@ def zero_gradient_advice(report: Report, ls: LossScaleAnalysis | None) -> list[s
     names = ", ".join(r.layer for r in sorted(zero, key=lambda r: -r.order)[:4]) + (
         f" and {len(zero) - 4} more" if len(zero) > 4 else "")
     k = fmt.normal_exp - (fmt.min_exp - 1)
-    return [f"Every {fmt.name} activation gradient ({names}) was exactly 0 in all {max(r.steps for r in zero)} recorded "
-            f"steps while the loss was finite (last {fmt_num(losses[-1])}): the gradients underflow to zero in "
+    n = max(r.steps for r in zero)
+    return [f"Every {fmt.name} activation gradient ({names}) was exactly 0 in "
+            f"{'the one recorded step' if n == 1 else f'all {n} recorded steps'} while the loss was finite "
+            f"(last {fmt_num(losses[-1])}): the gradients underflow to zero in "
             f"{fmt.name} before any layer sees them, so nothing trains. Values below 2**{fmt.min_exp - 1} round to 0, "
             f"so a loss scale of at least {pow2(k)} is needed to lift them into the normal range: use "
             "`torch.amp.GradScaler()` or a static loss scale. To measure the range, run the script once without autocast "

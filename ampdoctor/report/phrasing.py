@@ -7,7 +7,14 @@ import math
 
 from ..naming import module_expr
 
-__all__ = ["module_expr", "fmt_num", "fmt_pct", "fmt_bits", "pow2", "scale_literal"]
+__all__ = ["module_expr", "plural", "fmt_num", "fmt_pct", "fmt_bits", "pow2", "scale_literal"]
+
+
+def plural(n: int, word: str, words: str | None = None) -> str:
+    """``n`` and the word in the number it takes: ``1 step``, ``0 steps``, ``3 steps``
+    (``words``: a plural other than ``word + "s"``)."""
+    return f"{n} {word if n == 1 else words or word + 's'}"
+
 
 def fmt_num(v: float) -> str:
     """Three significant digits, in scientific notation outside ``[1e-3, 1e5)``."""

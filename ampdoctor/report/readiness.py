@@ -8,7 +8,7 @@ from __future__ import annotations
 from ..naming import root_hint, wrapper_of
 from .lossscale import MAX_UNDERFLOW_PCT
 from .model import Report
-from .phrasing import fmt_num, module_expr
+from .phrasing import fmt_num, module_expr, plural
 from .unscaled import HIGH_PRECISION
 
 __all__ = ["readiness", "readiness_advice"]
@@ -45,7 +45,7 @@ def readiness_advice(report: Report, ready: dict) -> list[str]:
     already = f"; {n_bad} already had NaN/Inf in FP32" if n_bad else ""
     out = [f"{fmt.name} readiness: every activation of this run was float32 (no autocast, or none of the layers "
            f"that ran is one autocast casts), so its values were measured against {fmt.name}: {n_over} of "
-           f"{ready['layers']} layers would overflow, {n_under} would underflow{already}."]
+           f"{plural(ready['layers'], 'layer')} would overflow, {n_under} would underflow{already}."]
 
     def listing(groups: dict, describe, key) -> str:
         parts = []

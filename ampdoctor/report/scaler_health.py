@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from ..oracle import NAN_SKIPS
 from .lossscale import LossScaleAnalysis
 from .model import Report, nan_without_inf, never_stepped, startup_backoffs
-from .phrasing import pow2, scale_literal
+from .phrasing import plural, pow2, scale_literal
 
 __all__ = ["HUGE_SCALE", "ScalerHealth", "scaler_health", "scaler_advice"]
 
@@ -97,7 +97,7 @@ def scaler_advice(report: Report, h: ScalerHealth, ls: LossScaleAnalysis | None)
     def lg(v: float | None) -> str:
         return f"2**{math.log2(v):.0f}" if v and v > 0 else "0"
 
-    base = f"GradScaler: {h.skipped} of {h.steps} steps skipped"
+    base = f"GradScaler: {h.skipped} of {plural(h.steps, 'step')} skipped"
     forward = (f" The loss itself was NaN/Inf in {h.nonfinite_loss_skips} of the skipped steps: the forward pass "
                "produces it (see the first non-finite producer), which no loss scale fixes."
                if h.nonfinite_loss_skips else "")
@@ -140,16 +140,17 @@ def scaler_advice(report: Report, h: ScalerHealth, ls: LossScaleAnalysis | None)
     if h.startup_backoffs and high and settled:
         # a huge init_scale (2**40): many backoffs, then training went on; not a failure, and not "normal" either
         default = max(0, math.ceil(math.log2(DEFAULT_INIT_SCALE / settled)))
-        out.append(f"{base}: {h.startup_backoffs} start-up backoffs, the scale falling from {lg(h.first_scale)} to "
-                   f"{lg(settled)} before the first optimizer step, then training went on: not a failure, but an "
+        out.append(f"{base}: {plural(h.startup_backoffs, 'start-up backoff')}, the scale falling from "
+                   f"{lg(h.first_scale)} to {lg(settled)} before the first optimizer step, then training went on: not a failure, but an "
                    f"init_scale of {lg(h.first_scale)} is far above what these gradients fit. A smaller init_scale "
                    "avoids them: " + (f"`GradScaler(init_scale={scale_literal(ls.k_rec)})`, or " if ls and ls.feasible
                                       else "")
                    + f"the default {lg(DEFAULT_INIT_SCALE)} (`torch.amp.GradScaler()`)"
-                   + (f", which would take {default} of them." if default else ", which these gradients fit."))
+                   + (f", which would take {'one' if default == 1 else default} of them." if default
+                      else ", which these gradients fit."))
     elif h.startup_backoffs:
-        out.append(f"{base}: {h.startup_backoffs} start-up backoffs ({lg(h.first_scale)} -> "
-                   f"{lg(settled)}) are normal; "
+        out.append(f"{base}: {plural(h.startup_backoffs, 'start-up backoff')} ({lg(h.first_scale)} -> "
+                   f"{lg(settled)}) {'is' if h.startup_backoffs == 1 else 'are'} normal; "
                    + (f"`GradScaler(init_scale={scale_literal(ls.k_rec)})` avoids them." if ls and ls.feasible
                       else "a lower init_scale avoids them."))
     if h.state == "occasional":
@@ -159,8 +160,8 @@ def scaler_advice(report: Report, h: ScalerHealth, ls: LossScaleAnalysis | None)
                    f"from (scale {lg(since)} -> {lg(h.last_scale)}{' after start-up' if since != h.first_scale else ''})"
                    + ("." if h.nonfinite_loss_skips else "; normal for a dynamic loss scale."))
     if h.state == "frequent":
-        out.append(f"GradScaler skipped {h.overflow_after_startup} steps after start-up: the scale keeps growing into "
-                   "overflow. A longer growth_interval (e.g. `GradScaler(growth_interval=4000)`) skips fewer steps"
+        out.append(f"GradScaler skipped {plural(h.overflow_after_startup, 'step')} after start-up: the scale keeps "
+                   "growing into overflow. A longer growth_interval (e.g. `GradScaler(growth_interval=4000)`) skips fewer steps"
                    + (f"; the recorded gradients tolerate at most {pow2(ls.k_hi)}." if ls else "."))
     if h.state == "huge":
         out.append(f"GradScaler's scale grew to {lg(h.max_scale)}: the gradients are tiny (or a skipped-step check never "

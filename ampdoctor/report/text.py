@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from .model import KIND_TITLES, LayerRow, Report
-from .phrasing import fmt_bits, fmt_num, fmt_pct
+from .phrasing import fmt_bits, fmt_num, fmt_pct, plural
 
 DEFAULT_KINDS = ("activation", "gradient")
 
@@ -53,7 +53,7 @@ def render_text(report: Report, *, kinds: Sequence[str] = DEFAULT_KINDS, sort: s
     con.print(f"format {fmt.name}: max {fmt.max:.6g}, smallest normal {fmt.smallest_normal:.3g}, "
               f"smallest subnormal {fmt.smallest_subnormal:.3g}"
               + (f" (the run's: {report.meta['format_detected']})" if report.meta.get("format_detected") else "")
-              + f"; {d.steps_seen} steps, {d.optimizer_steps} optimizer steps")
+              + f"; {plural(d.steps_seen, 'step')}, {plural(d.optimizer_steps, 'optimizer step')}")
     con.print("")
     con.print("Diagnosis")
     for line in d.lines:

@@ -5,7 +5,7 @@ half precision (pure ``.half()``/``.bfloat16()``: master weights, optimizer eps,
 from __future__ import annotations
 
 from .model import Report, loss_growth
-from .phrasing import fmt_num
+from .phrasing import fmt_num, plural
 from .scaler_health import ScalerHealth, scaler_health
 
 __all__ = ["clip_fix", "diverged", "divergence_advice", "pure_half_advice"]
@@ -67,7 +67,7 @@ def pure_half_advice(report: Report, scaler: ScalerHealth) -> list[str]:
     if not half:
         return []
     dts = sorted({r.dtype for r in half})
-    out = [f"The weights of {len(half)} of {len(weights)} layers are stored in {'/'.join(dts)} (a pure .half()/.bfloat16() "
+    out = [f"The weights of {len(half)} of {plural(len(weights), 'layer')} are stored in {'/'.join(dts)} (a pure .half()/.bfloat16() "
            "model): keep FP32 master weights and use torch.autocast instead."]
     if "float16" in dts:
         out.append("In fp16, an Adam/AdamW eps=1e-8 (if you use one) underflows to 0 (fp16's smallest subnormal is 5.96e-08) and a norm's "
@@ -79,5 +79,5 @@ def pure_half_advice(report: Report, scaler: ScalerHealth) -> list[str]:
     if "bfloat16" in dts:
         small = [r for r in half if r.dtype == "bfloat16"]
         out.append(f"bf16 weights keep 8 significant bits: updates smaller than 2**-8 of a weight are rounded away "
-                   f"({len(small)} tensors); use FP32 master weights or a stochastic-rounding/Kahan optimizer.")
+                   f"({plural(len(small), 'tensor')}); use FP32 master weights or a stochastic-rounding/Kahan optimizer.")
     return out
