@@ -12,6 +12,7 @@ import logging
 import math
 import operator
 import os
+import shlex
 import socket
 import sys
 import tempfile
@@ -213,7 +214,7 @@ class Session:
             p = p.with_name(f"{p.stem}.rank{self.rank}{p.suffix}")
         if not self.config.trace:  # the user did not choose it: say where it goes (once per session, on
             # stderr: the package's logger has no handler unless the user configures logging)
-            print(f"ampdoctor: recording to {p} (w.report(), or `ampdoctor report {p}`; watch(trace=...) "
+            print(f"ampdoctor: recording to {p} (w.report(), or `ampdoctor report {shlex.quote(str(p))}`; watch(trace=...) "
                   "chooses the path)", file=sys.stderr)
         return p
 

@@ -228,6 +228,12 @@ def test_bisect_op_entry_names_the_matmul_and_says_its_absmax_is_recomputed_in_f
     text = "\n".join(build_report(tmp_path).advice)
     assert (f"The first overflowing op is matmul at {QK_LINE} in blocks.1.attn (abs-max {first['absmax']:.3g} when "
             "recomputed in FP32 vs fp16 max 65504; its float16 output held Inf/NaN)") in text, text
+    from ampdoctor.bisect.cli import _summary
+    from ampdoctor.report.html import render_html
+
+    line = f"first op in blocks.1.attn: matmul at {QK_LINE} (forward, abs-max {first['absmax']:.3g} when recomputed in FP32)"
+    assert line in _summary(res), _summary(res)
+    assert "(recomputed in FP32)</td>" in render_html(build_report(tmp_path))
 
 
 def test_attention_advice_without_the_field_is_unchanged():

@@ -309,3 +309,16 @@ def test_zero_gradient_advice_over_one_recorded_step(tmp_path):
     line = next((a for a in advice if a.startswith("Every fp16 activation gradient (lin) was exactly 0")), None)
     assert line is not None, advice
     assert "exactly 0 in the one recorded step while the loss was finite" in line and "all 1" not in line
+
+
+def test_a_one_step_healthy_run_says_step_not_steps(tmp_path):
+    """The diagnosis of a run of one healthy step: "in the 1 step seen" (it said "1 steps")."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    path = tmp_path / "t.sqlite"
+    with ampdoctor.watch(m, trace=str(path)):
+        m(torch.randn(3, 4)).square().mean().backward()
+        opt.step()
+    lines = build_report(path).diagnosis.lines
+    assert "Training did not break in the 1 step seen." in lines, lines

@@ -46,7 +46,8 @@ def _summary(res: dict) -> str:
     for o in res.get("ops", []):
         amax = "inf" if o["absmax"] is None or o["absmax"] == float("inf") else f"{o['absmax']:.3g}"
         lines.append(f"  {o['pick']:>6} op in {o['layer'] or '(root)'}: {o['op']} at {o['where']} "
-                     f"({o['phase']}, abs-max {amax})" + (": its gradient came in non-finite from outside the layer"
+                     f"({o['phase']}, abs-max {amax}"
+                     f"{' when recomputed in FP32' if o.get('absmax_of') == 'fp32_recompute' else ''})" + (": its gradient came in non-finite from outside the layer"
                                                           if o.get("came_in") else ""))
     n = len(res["trials"])
     lines.append(f"{n} trial(s), {res.get('seconds', 0):.1f}s")

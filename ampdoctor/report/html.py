@@ -163,6 +163,8 @@ def _verdict(report: Report) -> str:
         for o in ops:
             amax = o.get("absmax")
             shown = _num(float(amax)) if isinstance(amax, (int, float)) else ("non-finite" if o.get("nonfinite") else "")
+            if shown and o.get("absmax_of") == "fp32_recompute":
+                shown += " (recomputed in FP32)"
             phase = "backward (gradient)" if o.get("phase") == "backward" else o.get("phase", "forward")
             parts.append(f'<tr><td class="l name">{_e(o.get("layer", ""))}</td><td class="l"><code>{_e(o.get("op", ""))}'
                          f'</code></td><td class="l"><code>{_e(o.get("where", ""))}</code></td>'

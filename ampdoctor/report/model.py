@@ -15,6 +15,7 @@ import numpy as np
 from ..formats import Format, get_format
 from ..oracle import NAN_SKIPS, Decision, Oracle, OracleConfig, trailing_nonfinite_start
 from ..trace import TraceReader, _pid_alive, _rank_of, find_traces, rank_siblings
+from .phrasing import plural
 
 KIND_TITLES = {
     "activation": "Activations (forward outputs)",
@@ -352,11 +353,11 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
                    "took: a divergence that broke the GradScaler, not an overflow a loss scale fixes")
         lines.append(f"Training broke at step {decision.step}: {how}.")
     elif stuck:
-        lines.append(f"Training did not break in the {len(timeline)} steps seen, but took no optimizer step: the "
+        lines.append(f"Training did not break in the {plural(len(timeline), 'step')} seen, but took no optimizer step: the "
                      "GradScaler skipped every one. Run more steps to tell start-up backoffs, which end once the "
                      "scale fits the gradients, from a failure.")
     else:
-        lines.append(f"Training did not break in the {len(timeline)} steps seen.")
+        lines.append(f"Training did not break in the {plural(len(timeline), 'step')} seen.")
     if fn is not None:
         what = {"activation": "forward output", "gradient": "gradient", "weight_grad": "weight gradient",
                 "weight": "weights"}.get(fn["kind"], fn["kind"])
