@@ -341,7 +341,7 @@ def run(out, fmt, every, max_steps, all_modules, nproc, json_path, html_path, so
     if not result.trained and result.children:
         click.echo(f"ampdoctor: {script} never trained in the process ampdoctor runs it in; it started "
                    f"{_children(result.children)}, which ampdoctor does not follow: training that runs in them is "
-                   "not in this report. To watch every rank, launch them through torchrun instead: make the script "
+                   "not in this report (a watch() in them records to a trace of its own, whose path it prints). To watch every rank, launch them through torchrun instead: make the script "
                    "train in the process it is started in (rank and world size from the RANK/WORLD_SIZE/LOCAL_RANK "
                    "environment variables, no mp.spawn) and run "
                    f"`ampdoctor run --nproc-per-node N {shlex.quote(script)}`; or for one process, call the training "

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from . import rank_boot
 from . import stats as _stats
 from .attribution import Attribution, bad_rows
 from .config import RunConfig
@@ -1237,6 +1238,15 @@ def _set_current(s: Session | None) -> None:
     _CURRENT = s
 
 
+def _not_the_runs_process() -> bool:
+    """Whether this process is one that the script run by ``ampdoctor run``/``bisect`` started itself
+    (``multiprocessing``: ``torch.multiprocessing.spawn``'s workers), not the process that runs it nor a
+    rank taken over (:mod:`ampdoctor.rank_boot`): it inherited the run's configuration, and writing into
+    the run's trace would mix its steps with another process's."""
+    pid = os.environ.get(rank_boot.PARENT_VAR, "")
+    return pid.isdigit() and int(pid) != os.getpid()
+
+
 def get_session(create: bool = True, **overrides: Any) -> Session | None:
     """The process's session: the CLI's if one runs, else a new one from the environment's
     configuration (``AMPDOCTOR_CONFIG``) updated with ``overrides``."""
@@ -1245,7 +1255,13 @@ def get_session(create: bool = True, **overrides: Any) -> Session | None:
         return _CURRENT
     if not create:
         return None
-    cfg = RunConfig.from_env() or RunConfig()
+    cfg = RunConfig.from_env()
+    if cfg is not None and _not_the_runs_process():
+        cfg = None
+        print(f"ampdoctor: this process (pid {os.getpid()}) was started by the script that `ampdoctor run`/`bisect` "
+              "runs (multiprocessing, e.g. torch.multiprocessing.spawn), which the run does not follow: a watch() "
+              "here records on its own, as outside ampdoctor, not into the run's trace", file=sys.stderr)
+    cfg = cfg or RunConfig()
     for k, v in overrides.items():
         if v is not None:
             setattr(cfg, k, v)

@@ -20,6 +20,7 @@ from click.testing import CliRunner
 from report_helpers import synthetic_trace
 
 from ampdoctor.cli import main
+from ampdoctor.trace import TraceReader
 
 ROOT = Path(__file__).parent.parent
 
@@ -258,6 +259,11 @@ def test_a_script_that_trains_in_mp_spawn_children_is_told_so(tmp_path):
     assert p.returncode == 3, p.stderr
     assert "started 1 child process (torch.multiprocessing.spawn(worker)), which ampdoctor does not follow" in p.stderr
     assert "ampdoctor run --nproc-per-node N" in p.stderr and "no optimizer.step() or GradScaler" not in p.stderr
+    # the child's watch() records on its own (a temporary trace it names), not into the run's trace
+    assert "was started by the script that `ampdoctor run`/`bisect` runs" in p.stderr, p.stderr
+    assert "ampdoctor: recording to " in p.stderr, p.stderr
+    run_trace = tmp_path / "out" / "trace.sqlite"
+    assert not run_trace.exists() or TraceReader(run_trace).steps() == []
 
 
 def test_child_processes_counted_are_the_scripts_own_not_dataloader_workers(tmp_path):
