@@ -31,7 +31,8 @@ The autocast state to restore lives on a per-thread stack in the handle, so a mo
 is called several times per step, re-entered, or nested inside another forced module
 pairs its enter and exit correctly. :meth:`Fp32Handle.remove` removes both hooks and puts
 parameters and buffers back in their original dtype (same objects), is idempotent, and
-the handle is a context manager.
+the handle is a context manager. Handles that share a tensor (nested kept modules, a module kept
+twice, a tied weight) count their holds on it: it goes back to its dtype when the last one is removed.
 
 A half/bf16 parameter (or buffer) that a module outside the kept one also holds (tied embeddings:
 GPT-2's ``lm_head.weight`` is ``wte.weight``) is not upcast, as that would change it for the other
@@ -67,9 +68,29 @@ __all__ = ["Fp32Handle", "Fp32Group", "keep_fp32", "force_fp32", "resolve_module
 logger = logging.getLogger(__name__)
 
 _LOW_PRECISION = {torch.float16, torch.bfloat16}
-# parameters and buffers a kept module made float32 -> their dtype before (a tied weight shared by two kept
-# modules is upcast by the first; the second learns from here what its outputs go back to)
-_UPCAST_FROM: dict[int, tuple[Any, torch.dtype]] = {}  # id -> (weak reference, dtype)
+
+
+class _Upcast:
+    """A parameter or buffer that kept modules made float32: its dtype before, and how many handles hold it
+    so. Handles whose modules share it (nested kept modules, the same module kept twice, a tied weight) each
+    count once; the last one removed puts it back."""
+
+    __slots__ = ("ref", "dtype", "holders")
+
+    def __init__(self, t: torch.Tensor, dtype: torch.dtype) -> None:
+        self.ref = weakref.ref(t, lambda _, k=id(t): _UPCAST_FROM.pop(k, None))
+        self.dtype = dtype
+        self.holders = 0
+
+
+_UPCAST_FROM: dict[int, _Upcast] = {}  # id(tensor) -> what made it float32 (see _Upcast)
+
+
+def _upcast_entry(t: torch.Tensor) -> _Upcast | None:
+    entry = _UPCAST_FROM.get(id(t))
+    return entry if entry is not None and entry.ref() is t else None
+
+
 for _name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz"):
     if hasattr(torch, _name):
         _LOW_PRECISION.add(getattr(torch, _name))
@@ -329,6 +350,12 @@ class Fp32Handle:
         self.__dict__.update(state)
         self._local = threading.local()
         self._guard = _Guard.of(self, not self._removed)  # the copy's hooks force its module too
+        if not self._removed:  # the copy's tensors, held by the copy's handles (see _Upcast)
+            for t, dtype in self._upcast.values():
+                entry = _upcast_entry(t)
+                if entry is None:
+                    entry = _UPCAST_FROM[id(t)] = _Upcast(t, dtype)
+                entry.holders += 1
 
     # -- internals ----------------------------------------------------------------------
     def _stack(self) -> list[tuple[list[torch.autocast], torch.dtype | None, list]]:
@@ -349,15 +376,21 @@ class Fp32Handle:
                 if t.dtype in _LOW_PRECISION:
                     self._copied[id(t)] = (t, t.dtype)
                 continue
+            key = id(t)
+            entry = _upcast_entry(t)
             if t.dtype not in _LOW_PRECISION:
-                hit = _UPCAST_FROM.get(id(t)) if t.dtype == torch.float32 and id(t) not in self._upcast else None
-                if hit is not None and hit[0]() is t:  # (shared with another kept module, which upcast it)
-                    self._upcast[id(t)] = (t, hit[1])
+                if entry is not None and key not in self._upcast and t.dtype == torch.float32:
+                    entry.holders += 1  # (shared with another kept module, which upcast it)
+                    self._upcast[key] = (t, entry.dtype)
                 continue
-            _UPCAST_FROM[id(t)] = (weakref.ref(t, lambda _, k=id(t): _UPCAST_FROM.pop(k, None)), t.dtype)
+            if entry is None:
+                entry = _UPCAST_FROM[key] = _Upcast(t, t.dtype)
             # the dtype to restore is the latest one seen: a model cast since (.bfloat16() after
             # keep_fp32 on a .half() model) goes back to what the user cast it to
-            self._upcast[id(t)] = (t, t.dtype)
+            entry.dtype = t.dtype
+            if key not in self._upcast:
+                entry.holders += 1
+            self._upcast[key] = (t, t.dtype)
             with torch.no_grad():
                 t.data = t.data.float()
                 grad = t.grad if isinstance(t, nn.Parameter) else None
@@ -365,8 +398,17 @@ class Fp32Handle:
                     t.grad = grad.float()
 
     def _restore_params(self) -> None:
+        """Give back this handle's hold on the tensors it runs in FP32; those no other handle holds go back
+        to their dtype before (same objects; values rounded back, exact for what FP32 did not change)."""
         with torch.no_grad():
-            for t, dtype in self._upcast.values():
+            for key, (t, dtype) in self._upcast.items():
+                entry = _upcast_entry(t)
+                if entry is not None:
+                    entry.holders -= 1
+                    if entry.holders > 0:
+                        continue  # another kept module still runs with it in FP32
+                    _UPCAST_FROM.pop(key, None)
+                    dtype = entry.dtype
                 if t.dtype != torch.float32:
                     continue  # already back, or cast by the user since (model.double()): leave it
                 t.data = t.data.to(dtype)
@@ -410,7 +452,8 @@ class Fp32Handle:
         if cast_back is None and not devices and not _has_floating((args, kwargs)):
             # No floating input to take the dtype from (an Embedding's indices): the rest of a
             # pure half model expects what the module produced before, its parameters' dtype.
-            cast_back = next((dt for _, dt in (*self._upcast.values(), *self._copied.values())), None)
+            cast_back = next((_dtype_before(t, dt) for t, dt in (*self._upcast.values(), *self._copied.values())),
+                             None)
         contexts: list[torch.autocast] = []
         swaps: list = []
         try:
@@ -537,6 +580,12 @@ def _held_outside(module: nn.Module, tensors: list[torch.Tensor]) -> set[int]:
     return {id(v) for t in tables if id(t) in owned for v in t.values() if id(v) in want}
 
 
+def _dtype_before(t: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``t`` had before kept modules made it float32 (``dtype`` where none did)."""
+    entry = _upcast_entry(t)
+    return dtype if entry is None else entry.dtype
+
+
 def _tied_partners(model: nn.Module, resolved: list[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
     """Modules outside ``resolved`` that own a half/bf16 parameter of a module in it (tied weights: a
     GPT-2's ``wte`` and ``lm_head``). Forcing one of them to FP32 makes the shared parameter float32
@@ -546,7 +595,8 @@ def _tied_partners(model: nn.Module, resolved: list[tuple[str, nn.Module]]) -> l
     for _, m in resolved:
         for sub in m.modules():
             inside.add(id(sub))
-        shared.update(id(p) for p in m.parameters() if p.dtype in _LOW_PRECISION)
+        # (a half parameter, or one another forced module made FP32: force_fp32(["lm_head"]) while wte is forced)
+        shared.update(id(p) for p in m.parameters() if p.dtype in _LOW_PRECISION or _upcast_entry(p) is not None)
     if not shared:
         return []
     out = []

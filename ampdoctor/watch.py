@@ -2,7 +2,9 @@
 :class:`~ampdoctor.session.Session`. No hook syncs with the GPU.
 
 Activation gradients come from a tensor hook registered on each output inside the forward hook
-(not ``register_full_backward_hook``: slow, and it breaks in-place ops). Weight gradients are read
+(not ``register_full_backward_hook``: slow, and it breaks in-place ops); a gradient in a layout other than
+the default one (channels_last) is measured from a copy, never held while autograd goes on using it (see
+:meth:`Watch._grad_copy`). Weight gradients are read
 where each backward pass ends (an autograd final callback), all in one batch: those whose ``.grad``
 is new or changed since the last look (no hook per parameter). Weights are read at the step boundary.
 """
@@ -136,6 +138,29 @@ def _inplace(mod: nn.Module) -> bool:
     return getattr(mod, "inplace", False) is True
 
 
+def _layout_may_change(grad: torch.Tensor) -> bool:
+    """Whether holding ``grad`` could change the layout of what autograd makes from it (see
+    :meth:`Watch._grad_copy`): autograd adds a later contribution into a gradient in place, or makes it
+    a leaf's ``.grad``, only while nobody else holds it; held, the sum is made out of place, and takes a
+    layout from both addends. For a gradient in the default (row-major) layout the sum's layout and
+    values are the same either way (an IEEE sum does not depend on the order of its two addends); a
+    gradient in another dense layout (channels_last, a permuted one, or a row-major one with other
+    strides on its size-1 dimensions, as channels_last tensors at 1x1) may come out in another one, and
+    convolution kernels pick their algorithm by layout. An expanded gradient (stride 0) is never added
+    into in place."""
+    if grad.is_contiguous():
+        shape = grad.shape
+        if 1 not in shape:
+            return False
+        want, strides = 1, grad.stride()
+        for i in range(len(shape) - 1, -1, -1):
+            if strides[i] != want:
+                return True
+            want *= shape[i]
+        return False
+    return 0 not in grad.stride()
+
+
 class _GradWork(list):
     """What one watch does with the gradient of one tensor, in the order it was asked for, behind
     a single ``register_hook``: entries ``(True, lid, phase, call)`` (a gin/gout non-finite flag) and
@@ -159,8 +184,13 @@ class _GradWork(list):
         if w._removed or s.closed or grad is None:
             return
         try:
-            if s._bw_task != _graph_task_id():
+            task = _graph_task_id()
+            if s._bw_task != task:
                 s._queue_backward_flush()
+            if not self.rows and not s.attributing:
+                return  # (flag entries only, and no flags wanted now: nothing to measure)
+            if _layout_may_change(grad):
+                grad = w._grad_copy(grad, task)
             rows = s._rows
             n = grad.numel()
             slot = -1  # one slot for every entry: the same tensor, unchanged within this call
@@ -240,6 +270,8 @@ class Watch:
         self._asleep: list[tuple] | None = None  # (dict, key, hook, keys before it, keys after it)
         self.wgrad_rows = False  # weight-gradient rows recorded this step (see Session._end_step)
         self._leaf_hooks: list[Any] = []  # handles of gradient hooks on leaf tensors (see _grad_work)
+        self._copies: dict[int, tuple] = {}  # id(gradient) -> its copy, this backward pass (see _grad_copy)
+        self._copies_task = -2
         self._unarmed: list[tuple[list, Any]] = []  # hooks' traced calls not yet behind compiler.disable (see _eager)
         root, notes = unwrap_model(model)
         self.root = root
@@ -383,6 +415,30 @@ class Watch:
             _new_hook(t, work)
         else:
             t.register_hook(work)
+
+    def _grad_copy(self, grad: torch.Tensor, task: int) -> torch.Tensor:
+        """What a gradient hook measures when ``grad`` is not in the default layout
+        (:func:`_layout_may_change`): a copy of ``grad``, not ``grad`` itself. The batch holds what
+        it measures until it is flushed, and autograd decides by reference count whether it may add the
+        next contribution to a gradient in place (a residual ``x + f(x)`` hands the same gradient to both
+        branches), and whether a leaf's ``.grad`` may be the incoming tensor itself: holding ``grad``
+        makes it add out of place, into a tensor with the other addend's strides, and kernels whose result
+        depends on the strides (channels_last convolutions) then gave the layers before it different
+        gradients. Hooks of the same backward pass that get the same gradient share one copy."""
+        copies = self._copies
+        if self._copies_task != task:
+            copies.clear()  # (weak references only: the batch holds the copies)
+            self._copies_task = task
+        key = id(grad)
+        hit = copies.get(key)
+        if hit is not None and hit[0]() is grad and hit[1] == grad._version:
+            copy = hit[2]()
+            if copy is not None:
+                return copy
+        with torch.no_grad():
+            copy = grad.detach().clone()
+        copies[key] = (_weakref(grad), grad._version, _weakref(copy))
+        return copy
 
     def drop_leaf_hooks(self) -> None:
         """Remove the gradient hooks this watch put on leaf tensors (see :meth:`_grad_work`)."""
