@@ -107,6 +107,8 @@ class WithCustomOp(nn.Module):
         return self.fc2(Explodes.apply(self.fc(x)))
 
 
+
+
 def test_backward_that_raises_is_said_and_gets_no_loss_scale_advice(tmp_path):
     """loss.backward() raises in a custom Function's backward every step (the script catches it): no optimizer
     step runs. The report says backward raised and with what, and gives no loss scale for the half-made
@@ -161,30 +163,14 @@ def test_hand_written_update_keeps_its_loss_scale_advice(tmp_path):
     assert any(a.startswith("Loss scale: ") for a in rep.advice), rep.advice
 
 
-SCRIPT = """
+SCRIPT = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
 import torch, ampdoctor
-from torch import nn
-
-class Explodes(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x * 2
-
-    @staticmethod
-    def backward(ctx, g):
-        raise RuntimeError("custom backward exploded")
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(4, 4)
-        self.fc2 = nn.Linear(4, 1)
-
-    def forward(self, x):
-        return self.fc2(Explodes.apply(self.fc(x)))
+from test_audit_msgs import WithCustomOp
 
 torch.manual_seed(0)
-model = Net()
+model = WithCustomOp()
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 scaler = torch.amp.GradScaler("cpu")
 ampdoctor.watch(model)
