@@ -222,6 +222,10 @@ def test_bisect_op_entry_names_the_matmul_and_says_its_absmax_is_recomputed_in_f
     said = f"matmul at {QK_LINE} overflows (abs-max {first['absmax']:.3g} when recomputed in FP32; its float16 " \
            "output held Inf/NaN)"
     assert any(a.startswith(said) for a in res["advice"]), res["advice"]
+    # the line scales the product after making it: the advice says so, quoting the line
+    assert first["source"] == "attn_weights = q @ k.transpose(-1, -2) * (1.0 / math.sqrt(q.shape[-1]))", first
+    assert any(a.startswith(said + ": that line scales the product after making it (`attn_weights = q @ k")
+               for a in res["advice"]), res["advice"]
     assert json.loads((tmp_path / "bisect.json").read_text())["ops"][0]["absmax_of"] == "fp32_recompute"
     from ampdoctor.report import build_report
 
@@ -309,3 +313,15 @@ def test_a_nan_of_an_invalid_operation_still_says_so(tmp_path):
     rep = build_report(tmp_path / "t.sqlite")
     text = "\n".join(culprit_advice(rep))
     assert "1 produced NaN without any Inf or overflow" in text and "above the fp16 max" not in text, text
+
+
+def test_a_product_scaled_after_it_is_made_is_told_apart():
+    from ampdoctor.bisect.driver import _scaled_after
+
+    assert _scaled_after("w = q @ k.transpose(-1, -2) * (1.0 / math.sqrt(d))")
+    assert _scaled_after("w = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(d)")
+    assert _scaled_after("w = (q @ k.T) * s")
+    assert not _scaled_after("w = (q * s) @ k.T")
+    assert not _scaled_after("w = q @ k.view(-1, 2)")
+    assert not _scaled_after("x = torch.bmm(a, b)  # / 2")
+    assert not _scaled_after("x = y * 2")

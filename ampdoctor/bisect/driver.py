@@ -83,11 +83,44 @@ def _ops_from(trace: Path, culprits: Sequence[str]) -> list[dict]:
                     # a non-finite low-precision output has no abs-max of its own: "fp32_recompute" says the
                     # abs-max is of the same op recomputed in FP32 (what it would have produced), not of `dtype`
                     "absmax_of": "fp32_recompute" if recomputed else "output"}
+            src = _source_line(d.get("path"), d.get("where"))
+            if src:
+                item["source"] = src  # the text of the line `where` names
             if d.get("passthrough") and item["phase"] == "backward":
                 item["came_in"] = True  # its gradient was already non-finite where it left the culprit
             if not any(o["op"] == item["op"] and o["where"] == item["where"] and o["phase"] == item["phase"] for o in ops):
                 ops.append(item)
     return ops
+
+
+def _source_line(path: Any, where: Any) -> str:
+    """The text of the source line ``where`` (``file.py:42``) names in file ``path`` ("" if unreadable)."""
+    if not path or not isinstance(where, str) or ":" not in where:
+        return ""
+    line = where.rsplit(":", 1)[1]
+    if not line.isdigit():
+        return ""
+    import linecache
+
+    return linecache.getline(str(path), int(line)).strip()[:200]
+
+
+def _scaled_after(src: str) -> bool:
+    """Whether source line ``src`` scales a product after making it (``q @ k.T * s``, ``matmul(q, k) / s``)."""
+    code = src.split("#", 1)[0]
+    at = [i for i in (code.find("@"), code.find("matmul("), code.find("bmm(")) if i >= 0]
+    if not at:
+        return False
+    rest = code[min(at):]
+    depth = 0
+    for ch in rest:  # a * or / outside the brackets the product's own arguments open
+        if ch in "([":
+            depth += 1
+        elif ch in ")]":
+            depth -= 1
+        elif ch in "*/" and depth <= 0:
+            return True
+    return False
 
 
 def _came_in_too_large(trace: Path, culprits: Sequence[str], fmt: str) -> list[str]:
@@ -133,8 +166,13 @@ def fix_snippets(culprits: Sequence[str], types: dict[str, str], ops: list[dict]
             continue
         amax = f"abs-max {_fmt(o['absmax'])}" + recomputed_note(o)
         if o["op"] in ("matmul", "bmm", "baddbmm", "einsum") and o["phase"] == "forward":
-            advice.append(f"{o['op']} at {o['where']} overflows ({amax}): scale an operand before "
-                          "the product (e.g. q * d**-0.5 before q @ k.T) or compute it in FP32; clamping after is too late.")
+            if _scaled_after(o.get("source") or ""):
+                advice.append(f"{o['op']} at {o['where']} overflows ({amax}): that line scales the product after "
+                              f"making it (`{o['source']}`), when it has already overflowed; scale an operand "
+                              "before the product instead ((q * d**-0.5) @ k.T) or compute it in FP32.")
+            else:
+                advice.append(f"{o['op']} at {o['where']} overflows ({amax}): scale an operand before the product "
+                              "(e.g. q * d**-0.5 before q @ k.T) or compute it in FP32; clamping after is too late.")
         elif o["op"] in ("mul", "pow", "square") and o["phase"] == "forward":
             what = {"mul": "the product", "pow": "the power", "square": "the square"}[o["op"]]
             advice.append(f"{o['op']} at {o['where']} overflows ({amax}): compute {what} in FP32 "
