@@ -20,7 +20,7 @@ import threading
 import urllib.parse
 import weakref
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -116,14 +116,14 @@ def _uri(path: Path, flag: str) -> str:
     return f"file:{urllib.parse.quote(str(path.resolve()))}?{flag}"
 
 
-def open_for_reading(path: str | os.PathLike, timeout: float = 30) -> sqlite3.Connection:
-    """A connection that reads the trace at ``path`` and leaves nothing beside it that was not there.
+def open_for_reading(path: str | os.PathLike, timeout: float = 30) -> tuple[sqlite3.Connection, Callable[[], None]]:
+    """A connection that reads the trace at ``path`` and leaves nothing beside it that was not there,
+    and what closes it (use that, not ``con.close()``).
 
     A trace the user can write is opened as usual (SQLite removes the ``-wal``/``-shm`` it made when
     the last connection closes; a live run's own stay). One in a read-only file or folder is opened
     ``mode=ro`` (a read-only folder where the ``-shm`` cannot be made: ``immutable=1``); the
-    ``-wal``/``-shm`` such a connection makes stay behind after it, so :func:`close_reading` removes
-    them. Raises :class:`sqlite3.Error` when none of these can read it."""
+    ``-wal``/``-shm`` such a connection makes stay behind after it, so the closer removes them. Raises :class:`sqlite3.Error` when none of these can read it."""
     p = Path(path)
     side = [Path(f"{p}{s}") for s in ("-wal", "-shm")]
     before = {s for s in side if s.exists()}
@@ -148,17 +148,19 @@ def open_for_reading(path: str | os.PathLike, timeout: float = 30) -> sqlite3.Co
                 con.close()
             _remove_made(side, before)
             raise
-        if read_only:
-            _MADE[id(con)] = (side, before)
-            if "immutable" in target and any(s.name.endswith("-wal") and s.stat().st_size for s in before):
-                log.warning("ampdoctor trace: %s is in a read-only folder and its last steps are still in %s-wal, "
-                            "which cannot be read from there: copy the folder somewhere writable to see them", p, p)
-        return con
+        if not read_only:
+            return con, con.close
+        if "immutable" in target and any(s.name.endswith("-wal") and s.stat().st_size for s in before):
+            log.warning("ampdoctor trace: %s is in a read-only folder and its last steps are still in %s-wal, "
+                        "which cannot be read from there: copy the folder somewhere writable to see them", p, p)
+
+        def close(con: sqlite3.Connection = con) -> None:
+            con.close()
+            _remove_made(side, before)
+
+        return con, close
     assert error is not None
     raise error
-
-
-_MADE: dict[int, tuple[list[Path], set[Path]]] = {}  # read-only connections: the side files they may make
 
 
 def _remove_made(side: list[Path], before: set[Path]) -> None:
@@ -175,24 +177,16 @@ def _remove_made(side: list[Path], before: set[Path]) -> None:
         pass
 
 
-def close_reading(con: sqlite3.Connection) -> None:
-    """Close a connection of :func:`open_for_reading` (and remove what it made beside the trace)."""
-    made = _MADE.pop(id(con), None)
-    con.close()
-    if made is not None:
-        _remove_made(*made)
-
-
 def trace_meta(path: Path) -> dict | None:
     """The ``meta`` table of the ampdoctor trace at ``path`` (a non-empty file), or None when the file
     is not one (not SQLite, or SQLite without ampdoctor's metadata)."""
     meta = None
     try:
-        con = open_for_reading(path)
+        con, close = open_for_reading(path)
         try:
             meta = dict(con.execute("SELECT key, value FROM meta").fetchall())
         finally:
-            close_reading(con)
+            close()
     except (sqlite3.Error, ValueError, TypeError, OSError):
         pass
     return meta if meta is not None and "schema_version" in meta else None
@@ -589,7 +583,7 @@ class TraceReader:
         if not self.path.exists():
             raise FileNotFoundError(f"trace {self.path} does not exist")
         try:
-            self._con = open_for_reading(self.path)
+            self._con, self._close = open_for_reading(self.path)
         except sqlite3.DatabaseError as e:
             raise ValueError(f"{self.path} is not an ampdoctor trace ({e})") from e
         self._con.row_factory = sqlite3.Row
@@ -606,7 +600,7 @@ class TraceReader:
             raise ValueError(f"{self.path} has trace schema {version}; this ampdoctor reads <= {SCHEMA_VERSION}: upgrade ampdoctor")
 
     def close(self) -> None:
-        close_reading(self._con)
+        self._close()
 
     def __enter__(self) -> TraceReader:
         return self

@@ -417,14 +417,8 @@ class Watch:
             t.register_hook(work)
 
     def _grad_copy(self, grad: torch.Tensor, task: int) -> torch.Tensor:
-        """What a gradient hook measures when ``grad`` is not in the default layout
-        (:func:`_layout_may_change`): a copy of ``grad``, not ``grad`` itself. The batch holds what
-        it measures until it is flushed, and autograd decides by reference count whether it may add the
-        next contribution to a gradient in place (a residual ``x + f(x)`` hands the same gradient to both
-        branches), and whether a leaf's ``.grad`` may be the incoming tensor itself: holding ``grad``
-        makes it add out of place, into a tensor with the other addend's strides, and kernels whose result
-        depends on the strides (channels_last convolutions) then gave the layers before it different
-        gradients. Hooks of the same backward pass that get the same gradient share one copy."""
+        """A copy of ``grad``, for a gradient hook to measure instead of holding ``grad`` itself (why: see
+        :func:`_layout_may_change`). Hooks of the same backward pass that get the same gradient share one copy."""
         copies = self._copies
         if self._copies_task != task:
             copies.clear()  # (weak references only: the batch holds the copies)
