@@ -75,23 +75,18 @@ def claim_out(out_dir: Path, names: Sequence[str] = ("trace.sqlite",)) -> Callab
     Told by the lock file that every run and bisect holds in its folder (an advisory lock, released
     when its process ends, however it ends), and by a trace there that a live process still writes
     (a script's own ``watch()``). The lock is released when the command ends, or by the function
-    returned."""
-    import socket
+    returned. First the :func:`out_problem` check."""
+    from .trace import live_writer, trace_meta
 
-    from .trace import _pid_alive, trace_meta
+    out_problem(out_dir, names)
 
     def refuse(what: str) -> None:
         raise click.UsageError(f"{what}: pick another --out, or wait until it ends")
 
     release = _lock_out(out_dir, refuse)
     for name in names:
-        meta = trace_meta(out_dir / name) if (out_dir / name).is_file() else None
-        try:
-            pid = int((meta or {}).get("pid") or 0)
-        except ValueError:
-            pid = 0
-        if (meta or {}).get("status") == "running" and pid and pid != os.getpid() and \
-                meta.get("host") in (None, socket.gethostname()) and _pid_alive(pid):
+        pid = live_writer(trace_meta(out_dir / name) if (out_dir / name).is_file() else None)
+        if pid is not None:
             release()
             refuse(f"process {pid} is still writing the trace {out_dir / name}")
     return release
@@ -292,7 +287,6 @@ def run(out, fmt, every, max_steps, all_modules, nproc, json_path, html_path, so
     _kinds(kinds)  # a usage error before the script runs, not after
     out_dir = Path(out) if out else default_out(script, "run")
     traces = ["trace.sqlite"] + [f"trace.rank{r}.sqlite" for r in range(1, nproc)]
-    out_problem(out_dir, traces)
     claim_out(out_dir, traces)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = RunConfig(trace=str(out_dir / "trace.sqlite"), format=fmt.lower(), every=every, max_steps=max_steps,

@@ -209,6 +209,22 @@ def trace_problem(path: str | os.PathLike) -> str | None:
     return None
 
 
+def live_writer(meta: dict | None) -> int | None:
+    """The pid of the process on this host still writing the trace whose metadata is ``meta`` (another
+    process than this one), or None."""
+    import socket
+
+    try:
+        pid = int((meta or {}).get("pid") or 0)
+    except ValueError:
+        return None
+    if (meta or {}).get("status") != "running" or not pid or pid == os.getpid():
+        return None
+    if meta.get("host") not in (None, socket.gethostname()) or not _pid_alive(pid):
+        return None
+    return pid
+
+
 def _discard_old_trace(path: Path) -> None:
     """A new trace starts empty: a trace already at ``path`` from an earlier run (the same
     ``--out`` or ``watch(trace=...)`` used twice) is removed, or its steps, rows and events would be
@@ -221,11 +237,8 @@ def _discard_old_trace(path: Path) -> None:
         meta = trace_meta(path) if path.is_file() else None  # (opened once: trace_problem's test, inline)
         if meta is None:
             raise ValueError(f"{trace_problem(path) or path}; pass another trace path")
-        try:
-            pid = int(meta.get("pid") or 0)
-        except ValueError:
-            pid = 0
-        if meta.get("status") == "running" and pid and pid != os.getpid() and _pid_alive(pid):
+        pid = live_writer(meta)
+        if pid is not None:
             log.warning("ampdoctor trace: %s is being written by process %d; adding to it", path, pid)
             return
     for suffix in ("", "-wal", "-shm"):

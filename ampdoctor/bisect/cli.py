@@ -116,7 +116,6 @@ def bisect_command(out, json_path, fmt, jobs, repeat, timeout, max_steps, margin
         claim_out,
         default_out,
         misplaced_options,
-        out_problem,
         reject_unknown_option,
     )
     from ..runner import launch_problem
@@ -140,8 +139,8 @@ def bisect_command(out, json_path, fmt, jobs, repeat, timeout, max_steps, margin
     except (TypeError, ValueError) as e:
         raise click.BadParameter(str(e)) from None
     out_dir = Path(out) if out else default_out(script, "bisect")
-    out_problem(out_dir)  # the baseline's trace is copied there at the end
-    claim_out(out_dir)  # (another run or bisect that writes there: refused)
+    claim_out(out_dir)  # (a foreign trace.sqlite, where the baseline's is copied at the end, or another run
+    # or bisect writing there: refused)
     opts = BisectOptions(fmt=fmt.lower(), oracle=oracle, timeout=timeout, max_steps=max_steps, margin=margin, jobs=jobs,
                          repeat=repeat, drill=not no_drill, max_trials=max_trials, divergence=divergence,
                          use_hints=not no_hints, nproc=nproc, fork=True,  # this process ran no torch op
