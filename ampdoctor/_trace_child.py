@@ -53,8 +53,12 @@ def main(db: str, trace_py: str) -> int:
     spec.loader.exec_module(trace)
     con = trace._connect(db)
     inp, out = sys.stdin.buffer, sys.stdout.buffer
-    out.write(b"ready\n")  # the sender waits for this before it sends anything
-    out.flush()
+    try:
+        out.write(b"ready\n")  # the sender waits for this before it sends anything
+        out.flush()
+    except BrokenPipeError:  # the sender ended before it could send anything: nothing to keep
+        con.close()
+        return 0
     ncols = len(trace.STAT_COLUMNS)
     cache: dict = {}
     meta: list = []

@@ -1194,6 +1194,10 @@ class Session:
             except Exception:  # pragma: no cover
                 pass
 
+    def on_hard_exit(self, code: Any) -> None:
+        """``os._exit(code)`` in a script whose watch was never removed (see ``steps._exit_wrapper``)."""
+        self.close("finished" if code == 0 else "exited", exit_code=code if isinstance(code, int) else None)
+
     def _at_exit(self) -> None:
         """The end of a script whose watch was never removed: how it ended, as ``ampdoctor run``
         records it. An uncaught exception that ends the interpreter is left in ``sys.last_value``
@@ -1236,6 +1240,33 @@ def _current() -> Session | None:
 def _set_current(s: Session | None) -> None:
     global _CURRENT
     _CURRENT = s
+
+
+def _forked() -> None:
+    """In a child forked from a process that records (a DataLoader worker; ``multiprocessing`` with the
+    fork start method): the copy of the session it inherited goes, as if the parent had called
+    ``remove()`` before the fork, without writing anything: its trace is the parent's (the writer's
+    pipe is dropped in :mod:`ampdoctor.trace`), so nothing the child runs is recorded into it, and a
+    ``watch()`` in the child starts a session of its own. What a bisect trial forced to FP32 stays
+    forced (the child runs the trial's model)."""
+    global _CURRENT
+    s, _CURRENT = _CURRENT, None
+    if s is None or s.closed:
+        return
+    s.closed = True
+    try:
+        for w in list(s.watches):
+            w._detach_hooks(unforce=False)
+        s.watches.clear()
+        s.tracker.uninstall()
+        if not s.owned:
+            atexit.unregister(s._at_exit)
+    except Exception as e:  # pragma: no cover - a fork must not fail because of us
+        log.warning("ampdoctor: could not take the watch out of a forked process: %s: %s", type(e).__name__, e)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 
 def _not_the_runs_process() -> bool:

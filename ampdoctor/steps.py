@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from typing import Any, Callable
 
 import torch
@@ -91,6 +92,25 @@ def _backward_wrapper(orig: Callable, sink: Any) -> Callable:
     return backward
 
 
+def _exit_wrapper(orig: Callable, sink: Any) -> Callable:
+    """``os._exit``, wrapped to end ``sink``'s trace first: it skips ``atexit``, which ends the trace
+    of a watch never removed otherwise. ``multiprocessing`` ends a forked worker this way, and so do
+    some launchers. Not in a process forked from this one (``session._forked`` undoes the patch
+    there, and this checks the pid too)."""
+    pid = os.getpid()
+
+    @functools.wraps(orig)
+    def _exit(n: int) -> None:
+        if os.getpid() == pid:
+            try:
+                sink.on_hard_exit(n)
+            except BaseException as e:  # noqa: BLE001 - the exit must happen
+                log.warning("ampdoctor: could not end the trace at os._exit(): %s: %s", type(e).__name__, e)
+        orig(n)
+
+    return _exit
+
+
 class StepTracker:
     """Installs the patches and forwards what they see to ``sink`` (the session)."""
 
@@ -121,6 +141,8 @@ class StepTracker:
             self._patch(root, "__init_subclass__", self._on_subclass(root))
         self._opt_handle = _optim_mod.register_optimizer_step_post_hook(
             lambda opt, args, kwargs: sink.on_optimizer_step(opt))
+        if not getattr(sink, "owned", True):  # (the CLI's runner ends its own session at os._exit)
+            self._patch(os, "_exit", _exit_wrapper(os._exit, sink))
         self.installed = True
 
     def uninstall(self) -> None:

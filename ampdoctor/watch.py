@@ -814,7 +814,9 @@ class Watch:
             log.info("ampdoctor: running in FP32: %s", ", ".join(take))
 
     # -- the handle ------------------------------------------------------------------------
-    def _detach_hooks(self) -> None:
+    def _detach_hooks(self, unforce: bool = True) -> None:
+        """Take every hook out. ``unforce``: also undo what the trial forced to FP32 (not in a forked
+        child, where that would write a copy of every forced parameter: see ``session._forked``)."""
         if self._removed:
             return
         self._removed = True
@@ -826,7 +828,7 @@ class Watch:
         self._sleepers.clear()
         self._prunable.clear()
         self._pruned.clear()
-        if self._fp32 is not None:
+        if self._fp32 is not None and unforce:
             self._fp32.remove()
             self._fp32 = None
         if _WATCHED.get(self.root) is self:
