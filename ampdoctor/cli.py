@@ -66,7 +66,6 @@ def out_problem(out_dir: Path, names: Sequence[str] = ("trace.sqlite",)) -> None
             raise click.UsageError(f"{problem}: pick another --out or remove it")
 
 
-LOCK_NAME = ".ampdoctor.lock"  # in a run folder while a run or bisect writes there (holds its pid)
 
 
 def claim_out(out_dir: Path, names: Sequence[str] = ("trace.sqlite",)) -> Callable[[], None]:
@@ -95,44 +94,16 @@ def claim_out(out_dir: Path, names: Sequence[str] = ("trace.sqlite",)) -> Callab
 def _lock_out(out_dir: Path, refuse) -> Callable[[], None]:
     """Take the run folder's lock (``refuse`` says who holds it); returns what releases it, which also
     runs when the command ends."""
-    try:
-        import fcntl
-    except ImportError:  # pragma: no cover - Windows: only the live trace test of claim_out
-        return lambda: None
-    out_dir.mkdir(parents=True, exist_ok=True)
-    lock = out_dir / LOCK_NAME
-    f = open(lock, "a+")
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        f.seek(0)
-        pid, _, command = f.read().strip().partition(" ")
-        f.close()
-        who = f"another `ampdoctor {command if command in ('run', 'bisect') else 'run'}`"
-        refuse(f"{who} (process {pid}) is still writing into {out_dir}" if pid.isdigit() else
-               f"{who} is still writing into {out_dir}")
+    from .runfolder import FolderHeld, lock
+
     ctx = click.get_current_context(silent=True)
-    f.truncate(0)
-    f.write(f"{os.getpid()} {ctx.info_name if ctx is not None else ''}\n")
-    f.flush()
-    _HELD.append(f)  # (held until released: a lock dies with its file object)
-
-    def release() -> None:
-        if f not in _HELD:
-            return
-        _HELD.remove(f)
-        try:
-            lock.unlink()
-        except OSError:
-            pass
-        f.close()
-
+    try:
+        release = lock(out_dir, ctx.info_name if ctx is not None else "")
+    except FolderHeld as e:
+        refuse(str(e))
     if ctx is not None:
         ctx.call_on_close(release)
     return release
-
-
-_HELD: list = []
 
 
 def default_out(script: str, command: str) -> Path:

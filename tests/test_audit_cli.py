@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 from report_helpers import synthetic_trace
 
@@ -128,6 +129,57 @@ def test_a_run_into_a_live_bisects_folder_is_refused(tmp_path):
                 os.killpg(trial, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+def test_in_process_bisect_takes_the_folders_lock_and_refuses_a_live_runs(tmp_path):
+    import ampdoctor
+
+    script, marker, out = tmp_path / "waits.py", tmp_path / "marker", tmp_path / "out"
+    script.write_text(_WAITS)
+    first = _popen("run", "--out", out, script, "4", marker)
+    try:
+        _wait_for(marker, first)
+        with pytest.raises(RuntimeError, match=rf"another `ampdoctor run` \(process {first.pid}\) is still writing "
+                                               rf"into {out}; pass another out=, or wait until it ends"):
+            ampdoctor.bisect(lambda: None, out=out)
+        marker.unlink()
+        first.communicate(timeout=60)
+    finally:
+        _kill(first)
+    assert first.returncode == 0
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is a file; pass a folder"):
+        ampdoctor.bisect(lambda: None, out=tmp_path / "file")
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "trace.sqlite").write_text("my notes")
+    with pytest.raises(ValueError, match="is not an ampdoctor trace .*pass another out="):
+        ampdoctor.bisect(lambda: None, out=tmp_path / "foreign")
+    assert (tmp_path / "foreign" / "trace.sqlite").read_text() == "my notes"
+
+
+def test_a_run_into_a_folder_an_in_process_bisect_holds_is_refused(tmp_path):
+    import ampdoctor
+
+    script, out = tmp_path / "waits.py", tmp_path / "out"
+    script.write_text(_WAITS)
+    seen = []
+
+    def train():  # each trial asks the CLI for a run into the bisect's folder
+        if not seen:
+            seen.append(cli("run", "--out", out, script, "1"))
+        m = torch.nn.Linear(4, 4)
+        ampdoctor.watch(m)
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        for _ in range(3):
+            m(torch.randn(2, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    res = ampdoctor.bisect(train, out=out, drill=False)
+    assert res["verdict"] == "healthy", res["trial_details"]
+    assert seen[0].exit_code == 2, seen[0].output
+    assert f"another `ampdoctor bisect` (process {os.getpid()}) is still writing into {out}" in seen[0].output
+    assert not (out / ".ampdoctor.lock").exists()  # given back at its end
 
 
 # -- 7: --rank of a trace file; traces named by watch(trace=...) -------------------------------------

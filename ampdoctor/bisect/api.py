@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import tempfile
 import time
@@ -103,9 +104,31 @@ def bisect(train_fn: Callable[[], Any], *, format: str = "fp16", out: str | Path
         what = "a model" if isinstance(train_fn, torch.nn.Module) else type(train_fn).__name__
         raise TypeError(f"ampdoctor.bisect expects a callable that builds a model and trains it (each trial "
                         f"calls it afresh), got {what}")
-    from ..oracle import OracleConfig
+    from ..runfolder import FolderHeld, lock
 
     out_dir = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="ampdoctor-bisect-"))
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"ampdoctor.bisect: out={os.fspath(out)!r} is a file; pass a folder (made if missing)")
+    from ..trace import trace_problem
+    problem = trace_problem(out_dir / "trace.sqlite")  # where the baseline's trace is kept at the end
+    if problem:
+        raise ValueError(f"ampdoctor.bisect: {problem}: pass another out=, or remove it")
+    try:
+        release = lock(out_dir, "bisect")
+    except FolderHeld as e:
+        raise RuntimeError(f"ampdoctor.bisect: {e}; pass another out=, or wait until it ends") from None
+    try:
+        return _bisect_in(train_fn, out_dir, format=format, max_steps=max_steps, margin=margin, repeat=repeat,
+                          drill=drill, seed=seed, oracle=oracle, progress=progress)
+    finally:
+        release()
+
+
+def _bisect_in(train_fn: Callable[[], Any], out_dir: Path, *, format: str, max_steps: int | None,
+               margin: int | None, repeat: int, drill: bool, seed: int, oracle: Any,
+               progress: Callable[[str, dict], None] | None) -> dict:
+    from ..oracle import OracleConfig
+
     opts = BisectOptions(fmt=format, oracle=oracle or OracleConfig(), max_steps=max_steps, margin=margin,
                          repeat=repeat, drill=drill)
     runner = InProcessRunner(train_fn, out_dir, seed=seed, fmt=format, oracle=opts.oracle.to_dict(),
