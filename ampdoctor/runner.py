@@ -266,8 +266,27 @@ def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig
         err = f"{type(e).__name__}: {e}"
         tb = _user_traceback(e, path)
     finally:
+        if os.getpid() != pid:  # a child the script forked (os.fork) ran to the script's end: its end, not the run's
+            _end_forked_child(code, tb)
         result = finish(status, code, err, tb, stop_reason, decision)
     return result
+
+
+def _end_forked_child(code: int, tb: str | None) -> None:
+    """End a process the script forked with ``os.fork()`` that came back out of the script (``sys.exit``,
+    an exception, the script's last line) as Python would end it, and before the run's own end (its
+    report, its exit status) runs here a second time: the script's traceback, the exit handlers, then
+    the exit. The run's session left this process at the fork (``session._forked``)."""
+    import atexit
+
+    try:
+        if tb:
+            sys.stderr.write(tb)
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:
+        os._exit(code)
 
 
 def _attach_probe(watch: Any, config: RunConfig, probes: list) -> None:

@@ -152,3 +152,51 @@ def test_the_trace_writer_process_ends_quietly_when_its_sender_is_gone(tmp_path)
 
 def _last_line(text):
     return [ln for ln in text.splitlines() if ln.strip()][-1]
+
+
+_OS_FORK = """
+import os, sys
+import torch
+import ampdoctor
+torch.set_num_threads(1)
+m = torch.nn.Linear(4, 1)
+ampdoctor.watch(m)
+opt = torch.optim.SGD(m.parameters(), lr=0.01)
+def train(n):
+    for _ in range(n):
+        m(torch.randn(2, 4)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+train(2)
+pid = os.fork()
+if pid == 0:
+    train(3)
+    print("child done", flush=True)
+    if sys.argv[1] == "raise":
+        raise ValueError("the child's own error")
+    sys.exit(0)
+_, status = os.waitpid(pid, 0)
+print("child status", os.waitstatus_to_exitcode(status), flush=True)
+train(1)
+"""
+
+
+@pytest.mark.parametrize("how, child_status", [("exit", 0), ("raise", 1)])
+def test_a_child_forked_by_the_script_under_run_ends_as_itself(tmp_path, how, child_status):
+    # the child came back out of the script into the CLI and ended the run a second time: a report of
+    # the steps before the fork printed, and written into the run folder, over the parent's
+    script = tmp_path / "forks.py"
+    script.write_text(_OS_FORK)
+    env = dict(os.environ)
+    env.pop("AMPDOCTOR_CONFIG", None)
+    p = subprocess.run([sys.executable, "-m", "ampdoctor", "run", "--out", str(tmp_path / "out"), str(script), how],
+                       capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert "child done" in p.stdout and f"child status {child_status}" in p.stdout
+    assert p.stdout.count("Diagnosis") == 1, p.stdout
+    assert p.stdout.count("run folder: ") == 1
+    if how == "raise":
+        assert "ValueError: the child's own error" in p.stderr and "forks.py" in p.stderr
+    assert len(TraceReader(tmp_path / "out" / "trace.sqlite").steps()) == 3  # the parent's 2 + 1
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert len(report["timeline"]) == 3
