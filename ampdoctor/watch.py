@@ -239,6 +239,15 @@ def _nonfinite_flag(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.stack(flags).any() if len(flags) > 1 else flags[0]
 
 
+_ScriptModule = torch.jit.ScriptModule
+
+
+def _script_kind(mod: nn.Module) -> str:
+    """A TorchScript module's name as the user knows it: its original class (``Linear``), not ``RecursiveScriptModule``."""
+    name = getattr(mod, "original_name", None)
+    return str(name) if name else type(mod).__name__
+
+
 class Watch:
     """Handle returned by :func:`watch`. A context manager; :meth:`remove` is idempotent."""
 
@@ -280,7 +289,12 @@ class Watch:
         for n in notes:
             session.note(n)
         self._all_modules = all_modules
-        self._attach(root, all_modules)
+        try:
+            self._attach(root, all_modules)
+        except BaseException:  # (a module refused a hook): the hooks put on so far go, as if watch() never ran
+            for h in self._sleepers + self._handles:
+                h.remove()
+            raise
         self.snapshot_grads()
         session.attach(self)
         self.sleep(not session.recording)
@@ -296,8 +310,17 @@ class Watch:
         # a part of this model that another watch records keeps that watch: its layers are not recorded twice
         others = [w for w in list(_WATCHED.values()) if not w._removed and w.root is not root]
         theirs = {id(m): w for w in others for m in w.root.modules()}
+        scripted: set[int] = set()  # TorchScript modules and what they hold: no Python hooks there
         self._tree = []  # (module._modules, its children) of each module that has any: see tree_changed
         for name, mod in root.named_modules():
+            if id(mod) in scripted:
+                continue
+            if isinstance(mod, _ScriptModule):
+                scripted.update(id(m) for m in mod.modules())
+                s.note(f"{self.prefix + name} ({_script_kind(mod)}) is a TorchScript module (torch.jit.script or "
+                       "torch.jit.trace): hooks cannot be put on it, so it and its submodules are not recorded. "
+                       "Watch the model before scripting that part to record it")
+                continue
             if mod._modules:
                 self._tree.append((mod._modules, tuple(mod._modules.values())))
             if id(mod) in theirs:
@@ -410,7 +433,8 @@ class Watch:
         work.rows = False
         work.add(entries)
         if t.is_leaf:  # a parameter or a tensor the script made: it outlives the step, its hook must not
-            self._leaf_hooks.append(t.register_hook(work))  # (dropped where the backward pass ends)
+            # (dropped where the backward pass ends; a tensor that had no hook dict gets none back then)
+            self._leaf_hooks.append((t.register_hook(work), _weakref(t) if hooks is None else None))
         elif type(t) is _Tensor:
             _new_hook(t, work)
         else:
@@ -437,8 +461,11 @@ class Watch:
     def drop_leaf_hooks(self) -> None:
         """Remove the gradient hooks this watch put on leaf tensors (see :meth:`_grad_work`)."""
         hooks, self._leaf_hooks = self._leaf_hooks, []
-        for h in hooks:
+        for h, had_none in hooks:
             h.remove()
+            t = had_none() if had_none is not None else None
+            if t is not None and not t._backward_hooks:
+                t._backward_hooks = None
 
     def _in_flag(self, lid: int, key: tuple, args: Any, call: int, post: bool = False) -> tuple | None:
         """The slots of this call's floating inputs (their NaN/Inf flag), and an input-gradient
@@ -836,13 +863,18 @@ class Watch:
 
     def remove(self) -> None:
         """Remove every hook and patch this watch added and, if it was the last watch, flush the
-        session's last step and close its trace (syncs with the device). Safe to call twice."""
+        session's last step and close its trace; otherwise write what the session recorded so far,
+        as :meth:`report` does (either way it syncs with the device). Safe to call twice."""
         if self._removed:
             return
         if not self.session.closed:
             self.session.settle_boundary()  # this watch's weights of the step that ended last
         self._detach_hooks()
         self.session.detach(self)
+        if not self.session.closed:  # other watches go on recording: what is recorded so far is readable now
+            self.session.sync()
+            self.session.writer.commit()
+            self.session.writer.flush()
 
     @property
     def trace_path(self):
@@ -890,6 +922,10 @@ def watch(model: nn.Module, *, format: str | None = None, every: int | None = No
         if str(format).lower() != AUTO:
             get_format(format)  # validate before any work
     root, _ = unwrap_model(model)
+    if isinstance(root, _ScriptModule):
+        raise TypeError(f"ampdoctor.watch cannot record a TorchScript model ({_script_kind(root)} made by torch.jit.script "
+                        "or torch.jit.trace): hooks cannot be put on it. Watch the nn.Module itself, before scripting "
+                        "it (train it unscripted while you debug)")
     existing = _WATCHED.get(root)
     if existing is not None and not existing._removed:
         log.info("ampdoctor: %s is already watched; returning the existing handle", type(root).__name__)
@@ -911,7 +947,12 @@ def watch(model: nn.Module, *, format: str | None = None, every: int | None = No
             log.warning("ampdoctor: this process already records to %s (one trace per process); ignoring trace=%r: "
                         "remove() the other watches first to start a new trace", session.trace_path, os.fspath(trace))
     all_mods = session.config.all_modules if all_modules is None else all_modules
-    return Watch(model, session, all_modules=all_mods)
+    try:
+        return Watch(model, session, all_modules=all_mods)
+    except BaseException:
+        if not session.watches and not session.owned:  # the session this call began goes with it
+            session.close("crashed", error="watch() failed")
+        raise
 
 
 def watched_root(module: nn.Module) -> Watch | None:
