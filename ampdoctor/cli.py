@@ -55,6 +55,35 @@ def reject_unknown_option(script: str) -> None:
     raise click.NoSuchOption(name, possibilities=difflib.get_close_matches(name, ours), ctx=ctx)
 
 
+def _why(path: Path, e: OSError) -> str:
+    """Why ``path`` cannot be made: the file in its way, or the system's reason."""
+    for parent in [path, *path.parents]:
+        if parent.exists():
+            if not parent.is_dir():
+                return f"{parent} is a file, not a folder"
+            break
+    return e.strerror or str(e)
+
+
+def output_problems(**paths: str | None) -> None:
+    """A usage error, before anything runs, for an output file asked for (``json="x/r.json"``, the
+    option's name as key) that cannot be written: a folder, under a file, or in a folder not writable."""
+    for option, path in paths.items():
+        if not path:
+            continue
+        p = Path(path)
+        flag = f"--{option} {path}"
+        if p.is_dir():
+            raise click.UsageError(f"{flag} is a folder: give a file name")
+        for parent in p.parents:
+            if parent.exists():
+                if not parent.is_dir():
+                    raise click.UsageError(f"{flag}: {parent} is a file, not a folder")
+                if not os.access(parent, os.W_OK | os.X_OK):
+                    raise click.UsageError(f"{flag}: cannot write into {parent}")
+                break
+
+
 def out_problem(out_dir: Path, names: Sequence[str] = ("trace.sqlite",)) -> None:
     """A usage error, before anything runs, when the run folder holds a file of ours (``trace.sqlite``)
     that is not an ampdoctor trace: it is never overwritten."""
@@ -101,6 +130,8 @@ def _lock_out(out_dir: Path, refuse) -> Callable[[], None]:
         release = lock(out_dir, ctx.info_name if ctx is not None else "")
     except FolderHeld as e:
         refuse(str(e))
+    except OSError as e:  # a file on the way, a read-only file system: the folder cannot be made
+        raise click.UsageError(f"cannot make the run folder {out_dir}: {_why(out_dir, e)}: pick another --out") from None
     if ctx is not None:
         ctx.call_on_close(release)
     return release
@@ -256,6 +287,7 @@ def run(out, fmt, every, max_steps, all_modules, nproc, json_path, html_path, so
     if problem:
         raise click.UsageError(problem)
     _kinds(kinds)  # a usage error before the script runs, not after
+    output_problems(json=json_path, html=html_path)
     out_dir = Path(out) if out else default_out(script, "run")
     traces = ["trace.sqlite"] + [f"trace.rank{r}.sqlite" for r in range(1, nproc)]
     claim_out(out_dir, traces)
@@ -369,6 +401,7 @@ def report(path, json_path, html_path, csv_path, rank, sort, top, only_bad, matc
     """Print (and write) the report of a trace file or run folder. Needs only the trace."""
     from .report import build_report
 
+    output_problems(json=json_path, html=html_path, csv=csv_path)
     log = logging.getLogger("ampdoctor.report")
     log.info("ampdoctor: reading %s", path)
     try:

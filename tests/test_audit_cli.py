@@ -372,3 +372,34 @@ def test_printed_report_command_is_shell_quoted_and_system_exit_message_shown(tm
     said = ("bad config: lr must be > 0\n" in p.stderr, f"re-render: ampdoctor report {shlex.quote(str(out))})" in p.stdout)
     assert said == (True, True), (p.stdout, p.stderr)
     assert cli(*shlex.split(p.stdout.rsplit("re-render: ampdoctor ", 1)[1].rstrip().rstrip(")"))).exit_code == 0
+
+
+# -- output paths that cannot be written: usage errors before anything runs --------------------------
+@pytest.mark.parametrize("args, message", [
+    (["run", "--out", "{f}/sub", "{s}"], "cannot make the run folder {f}/sub: {f} is a file, not a folder: pick another --out"),
+    (["bisect", "--out", "{f}/sub", "{s}"], "cannot make the run folder {f}/sub: {f} is a file, not a folder"),
+    (["run", "--out", "{t}/o", "--json", "{f}/x.json", "{s}"], "--json {f}/x.json: {f} is a file, not a folder"),
+    (["run", "--out", "{t}/o", "--html", "{f}/x/y.html", "{s}"], "--html {f}/x/y.html: {f} is a file, not a folder"),
+    (["bisect", "--out", "{t}/o", "--json", "{f}/x.json", "{s}"], "--json {f}/x.json: {f} is a file, not a folder"),
+])
+def test_output_paths_that_cannot_be_made_are_usage_errors(tmp_path, args, message):
+    # `--out afile/sub` raised NotADirectoryError out of the folder's lock; `--json afile/x.json` ran the
+    # whole script, then said it could not write the file, and exited 0
+    script = tmp_path / "s.py"
+    script.write_text("raise SystemExit('the script ran')\n")
+    (tmp_path / "afile").write_text("x")
+    fill = {"f": str(tmp_path / "afile"), "s": str(script), "t": str(tmp_path)}
+    r = cli(*[a.format(**fill) for a in args])
+    assert r.exit_code == 2, r.output
+    assert message.format(**fill) in r.output, r.output
+    assert "the script ran" not in r.output and "Traceback" not in r.output
+    assert not (tmp_path / "o").exists()
+
+
+def test_report_outputs_that_cannot_be_written_are_usage_errors(tmp_path):
+    synthetic_trace(tmp_path / "t.sqlite", grad_exps=[(0, 8)], scales=[None] * 2)
+    (tmp_path / "afile").write_text("x")
+    r = cli("report", "--csv", tmp_path / "afile" / "x.csv", tmp_path / "t.sqlite")
+    assert r.exit_code == 2 and f"--csv {tmp_path / 'afile' / 'x.csv'}: {tmp_path / 'afile'} is a file" in r.output
+    r = cli("report", "--json", tmp_path, tmp_path / "t.sqlite")
+    assert r.exit_code == 2 and "is a directory" in r.output, r.output

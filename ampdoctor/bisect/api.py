@@ -117,6 +117,8 @@ def bisect(train_fn: Callable[[], Any], *, format: str = "fp16", out: str | Path
         release = lock(out_dir, "bisect")
     except FolderHeld as e:
         raise RuntimeError(f"ampdoctor.bisect: {e}; pass another out=, or wait until it ends") from None
+    except OSError as e:
+        raise ValueError(f"ampdoctor.bisect: cannot make the folder out={os.fspath(out)!r}: {e.strerror or e}") from None
     try:
         return _bisect_in(train_fn, out_dir, format=format, max_steps=max_steps, margin=margin, repeat=repeat,
                           drill=drill, seed=seed, oracle=oracle, progress=progress)

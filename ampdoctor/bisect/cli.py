@@ -116,6 +116,7 @@ def bisect_command(out, json_path, fmt, jobs, repeat, timeout, max_steps, margin
         claim_out,
         default_out,
         misplaced_options,
+        output_problems,
         reject_unknown_option,
     )
     from ..runner import launch_problem
@@ -138,6 +139,7 @@ def bisect_command(out, json_path, fmt, jobs, repeat, timeout, max_steps, margin
         oracle = OracleConfig.from_dict(oc)
     except (TypeError, ValueError) as e:
         raise click.BadParameter(str(e)) from None
+    output_problems(json=json_path)
     out_dir = Path(out) if out else default_out(script, "bisect")
     claim_out(out_dir)  # (a foreign trace.sqlite, where the baseline's is copied at the end, or another run
     # or bisect writing there: refused)
