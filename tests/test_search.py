@@ -217,6 +217,30 @@ def test_flaky_majority_with_repeat_3():
     assert r.disagreements and all(d.decided == base(d.fp32) for d in r.disagreements)
 
 
+def test_runs_made_before_the_search_count_towards_repeat_not_for_it():
+    # the first guesses ran side by side (--jobs 2) once each, and went in as decided: with --repeat 3 a
+    # flaky single pass of the hint was accepted as the culprit without a majority
+    names, parent = flat(8)
+    base = truth(parent, {"l5"})
+    hint = frozenset({"l2"})
+    calls: list[frozenset] = []
+
+    def test(s):
+        calls.append(s)
+        return base(s)
+    known = {frozenset(): "fail", frozenset(names): ["pass"], hint: ["pass"]}  # the hint's one run: a fluke
+    r = find_culprits(names, test, parent=parent, hints=["l2"], repeat=3, known=known, spent=2)
+    assert r.verdict == "culprit" and r.culprits == ["l5"]
+    assert calls.count(frozenset(names)) == 1  # the control: one more run makes its majority of 3
+    assert calls.count(hint) == 2  # two more, both fail: 2 of 3
+    assert any(d.fp32 == hint and d.outcomes == ("pass", "fail", "fail") and d.decided == "fail"
+               for d in r.disagreements)
+    calls.clear()
+    find_culprits(names, test, parent=parent, hints=["l5"], repeat=1,
+                  known={frozenset(): "fail", frozenset(names): ["pass"], frozenset({"l5"}): ["error"]}, spent=2)
+    assert frozenset({"l5"}) not in calls and frozenset(names) not in calls  # repeat 1: one run was all of it
+
+
 def test_unresolvable_flakiness_is_inconclusive_and_names_trials():
     names, parent = flat(8)
     base = truth(parent, {"l3"})

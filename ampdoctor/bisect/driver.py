@@ -305,7 +305,7 @@ def _bisect(opts: BisectOptions, emit: Callable[[str, dict], None], runner: Tria
     if opts.timeout is None and runner.timeout is not None:  # (the default one: it runs further)
         control["timeout"] = CONTROL_HORIZON * runner.timeout
     root_set = frozenset(n for n in bl.candidates if bl.parent.get(n) is None)
-    known: dict[frozenset, str] = {frozenset(): "fail"}
+    known: dict[frozenset, Any] = {frozenset(): "fail"}  # an outcome, or the runs so far (see find_culprits)
     first: list[tuple] = [("all-fp32", sorted(root_set), control)]
     hints = bl.hints if opts.use_hints else []
     if hints:
@@ -319,7 +319,7 @@ def _bisect(opts: BisectOptions, emit: Callable[[str, dict], None], runner: Tria
         spent = len(first)
         for t in runner.run_many(first, pass_after=pass_after, jobs=jobs, gpus=gpus if gpus > 1 else 0, lite=True):
             record(t)
-            known[frozenset(t.fp32)] = t.outcome
+            known[frozenset(t.fp32)] = [t.outcome]  # one run: with --repeat R the search runs the rest
     cache_runs = {"n": 0}
 
     def test(fp32: frozenset) -> str:

@@ -158,8 +158,12 @@ class _Search:
         self.spent = spent  # trials run before the search, on its account (the results in ``known``)
         self.cache: dict[frozenset, Optional[str]] = {}
         self.raw: dict[frozenset, str] = {}
+        self.first_runs: dict[frozenset, list[str]] = {}  # runs made before the search, not yet a majority of repeat
         for s, o in (known or {}).items():
             key = tree.normalize(s)
+            if not isinstance(o, str):  # the runs so far: ``decide`` adds runs until one outcome has its majority
+                self.first_runs[key] = list(o)
+                continue
             self.raw[key] = o
             self.cache[key] = o if o in ("pass", "fail") else None
         self.trials: list[Trial] = []
@@ -173,9 +177,9 @@ class _Search:
         s = self.tree.normalize(names)
         if s in self.cache:
             return self.cache[s]
-        runs: list[str] = []
+        runs: list[str] = self.first_runs.pop(s, [])  # (counted in ``spent`` already)
         need = self.repeat // 2 + 1
-        while len(runs) < self.repeat:
+        while len(runs) < self.repeat and max(runs.count("pass"), runs.count("fail")) < need:
             if self.max_trials is not None and self.spent + len(self.trials) >= self.max_trials:
                 raise _Budget()
             o = self.test(s)
@@ -337,7 +341,7 @@ class _Search:
 
 def find_culprits(candidates: Sequence[str], test: Callable[[frozenset[str]], Outcome], *,
                   parent: Optional[Mapping[str, Optional[str]]] = None, hints: Sequence[str] = (),
-                  repeat: int = 1, known: Optional[Mapping[frozenset[str], Outcome]] = None,
+                  repeat: int = 1, known: Optional[Mapping[frozenset[str], Outcome | Sequence[Outcome]]] = None,
                   max_trials: Optional[int] = None, spent: int = 0) -> SearchResult:
     """Search ``candidates`` (qualified module names in execution order, containers and
     leaves) for the smallest set, of the deepest modules, whose FP32 cast makes ``test`` pass.
@@ -345,7 +349,8 @@ def find_culprits(candidates: Sequence[str], test: Callable[[frozenset[str]], Ou
     ``parent`` maps each candidate to its parent candidate or None; by default it is inferred
     from dotted names (pass ``{n: None for n in candidates}`` for a flat search). ``hints``
     are tried first. ``known`` holds results already run (e.g. the controls), keyed by
-    frozenset of names. ``max_trials`` bounds the number of runs (inconclusive beyond it), ``spent``
+    frozenset of names: a decided outcome, or the list of the runs so far, which ``repeat`` goes on
+    from (the first guesses run side by side with ``--jobs``). ``max_trials`` bounds the number of runs (inconclusive beyond it), ``spent``
     of which were run already (those in ``known`` that count as search trials).
     """
     if repeat < 1:
