@@ -25,6 +25,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     def record(res: Any) -> dict:
+        if res.traceback:  # as Python would print it: the trial's stderr.txt, which bisect points to, holds it
+            sys.stderr.write(res.traceback)
         data = {
             "status": res.status, "exit_code": res.exit_code, "error": res.error, "traceback": res.traceback,
             "steps": res.steps, "optimizer_steps": res.optimizer_steps, "trained": res.trained,

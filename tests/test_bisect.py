@@ -57,6 +57,12 @@ def test_fixture_verdict_and_culprits(tmp_path, key, exp):
         assert (out / "report.json").exists()
     if exp["verdict"] == "error":
         assert res.get("error") and "Traceback (most recent call last)" not in p.stdout
+        # the script's own traceback: on the terminal (stderr), and in the trial's stderr.txt the notes
+        # point to (it was empty: the traceback was only in outcome.json)
+        assert "The script raised (in trial 00-baseline):\nTraceback (most recent call last):" in p.stderr, p.stderr
+        assert f'File "{FIXTURES / script}", line' in p.stderr
+        log = out / "trials" / "00-baseline" / "stderr.txt"
+        assert f"logs: {log}" in p.stdout and "Traceback (most recent call last)" in log.read_text()
 
 
 def test_missing_script_is_usage_error(tmp_path):

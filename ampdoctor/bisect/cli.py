@@ -169,6 +169,10 @@ def bisect_command(out, json_path, fmt, jobs, repeat, timeout, max_steps, margin
         if installed:  # (None: a handler not set from Python; the default is the nearest)
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
     click.echo(_summary(res))
+    if res["verdict"] == "error":
+        tb = _script_traceback(res)
+        if tb:
+            click.echo(f"\nThe script raised (in trial {Path(tb[0]).parent.name}):\n{tb[1]}", err=True)
     if res["verdict"] in ("error", "healthy"):
         hint = misplaced_options(click.get_current_context().command, args)
         if hint:
@@ -176,6 +180,24 @@ def bisect_command(out, json_path, fmt, jobs, repeat, timeout, max_steps, margin
     _copy_json(out_dir, json_path)
     _write_report(out_dir, res)
     sys.exit(res["exit_status"])
+
+
+def _script_traceback(res: dict, most: int = 40) -> tuple[str, str] | None:
+    """(its stderr.txt, the traceback) the script printed in the trial that made the result an error
+    (the baseline, mostly): its last ``most`` lines, from the last ``Traceback`` on."""
+    for d in res.get("trial_details") or []:
+        if not d.get("error") or not d.get("folder"):
+            continue
+        path = Path(d["folder"]) / "stderr.txt"
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        at = text.rfind("Traceback (most recent call last):")
+        if at >= 0:
+            lines = text[at:].rstrip("\n").splitlines()
+            return str(path), "\n".join(lines if len(lines) <= most else [lines[0], "  ...", *lines[-most:]])
+    return None
 
 
 class _Terminated(KeyboardInterrupt):
