@@ -38,7 +38,7 @@ CONTROL_BLOWUP = 100.0
 class BisectOptions:
     fmt: str = "fp16"
     oracle: OracleConfig | None = None
-    timeout: float | None = None      # per trial (seconds); default: 3x the baseline + 60 s
+    timeout: float | None = None      # per trial (seconds); default: none for the baseline, then 3x its time + 30 s (at least 60)
     max_steps: int | None = None      # cap every trial (the baseline too)
     margin: int | None = None         # a trial passes after the failure step + margin steps
     jobs: int = 1
