@@ -102,6 +102,20 @@ def test_scripts_help_is_not_a_run_that_never_trained(tmp_path):
     assert "printed its help" in p.stderr and "never trained" not in p.stderr and "Diagnosis" not in p.stdout
 
 
+def test_scripts_help_under_bisect_is_shown_not_an_error(tmp_path):
+    p = amp("bisect", "--out", tmp_path / "b", SCRIPTS / "no_watch_overflow.py", "-h")
+    assert p.returncode == 0, p.stderr  # was 1: verdict error, "never trained", and the help unseen in a trial's log
+    assert "usage:" in p.stdout and "--steps" in p.stdout
+    assert "printed its help (above) and trained nothing" in p.stderr and "verdict" not in p.stdout
+
+
+def test_bisect_names_a_second_models_root_as_its_whole_model():
+    from ampdoctor.bisect.cli import _shown
+
+    assert [_shown(n) for n in ("", "D:", "D:net.0", "net.0")] == \
+        ["(whole model)", "D: (whole model)", "D:net.0", "net.0"]
+
+
 def test_ampdoctor_options_after_the_script_name_get_a_hint(tmp_path):
     out = tmp_path / "run"
     p = amp("run", SCRIPTS / "no_watch_overflow.py", "--out", out, "--max-steps=3", cwd=tmp_path)

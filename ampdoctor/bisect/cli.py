@@ -17,12 +17,20 @@ from .driver import CONTROL_BLOWUP
 _ORACLE = OracleConfig()  # its defaults, shown in --help
 
 
+def _shown(name: str) -> str:
+    """A forced module's name on the terminal: the root of the model (``""``), or of a second model
+    (``D:``), is the whole of it."""
+    if not name:
+        return "(whole model)"
+    return f"{name} (whole model)" if name.endswith(":") else name
+
+
 def _progress(kind: str, info: dict) -> None:
     if kind == "start":
         click.echo(f"  ... {info['name']}", err=True)
     elif kind == "trial":
         t = info["trial"]
-        forced = ", ".join(n or "(whole model)" for n in t.fp32) or "nothing"
+        forced = ", ".join(map(_shown, t.fp32)) or "nothing"
         what = t.outcome + (f" at step {t.step} ({t.reason})" if t.outcome == "fail" else "")
         if t.outcome in ("error", "timeout") and t.error:
             what += f": {t.error}"
@@ -42,7 +50,7 @@ def _summary(res: dict) -> str:
         else:
             lines.append(f"first non-finite: {fn['kind']} of {fn['layer'] or '(root)'} at step {fn['step']}")
     if res["culprits"]:
-        lines.append("culprit(s): " + ", ".join(c or "(whole model)" for c in res["culprits"]))
+        lines.append("culprit(s): " + ", ".join(map(_shown, res["culprits"])))
     for o in res.get("ops", []):
         amax = "inf" if o["absmax"] is None or o["absmax"] == float("inf") else f"{o['absmax']:.3g}"
         lines.append(f"  {o['pick']:>6} op in {o['layer'] or '(root)'}: {o['op']} at {o['where']} "
@@ -60,7 +68,7 @@ def _summary(res: dict) -> str:
     elif res["verdict"] == "inconclusive":
         lines.append("The trials could not settle it: " + "; ".join(res.get("notes", [])))
         if res.get("suspects"):
-            lines.append("smallest set known to pass: " + ", ".join(c or "(whole model)" for c in res["suspects"]))
+            lines.append("smallest set known to pass: " + ", ".join(map(_shown, res["suspects"])))
     for a in res.get("advice", []):  # (a culprit's input that came in too large: the cause lies before it)
         lines.append(f"{'cause' if a.startswith(CAME_IN) else 'fix'}: {a}")
     for note in res.get("notes", []) if res["verdict"] != "inconclusive" else []:
@@ -168,6 +176,14 @@ def bisect_command(out, json_path, fmt, jobs, repeat, timeout, max_steps, margin
     finally:
         if installed:  # (None: a handler not set from Python; the default is the nearest)
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+    if res["verdict"] == "error" and {"-h", "--help"} & set(args) and "never trained" in (res.get("error") or ""):
+        base = next((d for d in res.get("trial_details") or [] if d.get("folder")), None)
+        try:
+            click.echo((Path(base["folder"]) / "stdout.txt").read_text(errors="replace").rstrip("\n"))
+        except (OSError, TypeError):
+            pass
+        click.echo(f"ampdoctor: {script} printed its help (above) and trained nothing (nothing to bisect).", err=True)
+        sys.exit(0)  # (as `run` does)
     click.echo(_summary(res))
     if res["verdict"] == "error":
         tb = _script_traceback(res)
