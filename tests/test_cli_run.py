@@ -93,6 +93,10 @@ def test_script_that_never_trains(tmp_path):
     p = amp("run", "--out", tmp_path / "run", SCRIPTS / "no_training.py")
     assert p.returncode == 3
     assert "never trained" in p.stderr
+    # the report says so too (it said "Training did not break in the 1 step seen"), also when re-rendered
+    for text in (p.stdout, amp("report", tmp_path / "run").stdout):
+        assert "Nothing trained in the 1 step seen: no backward pass, no optimizer.step()" in text, text
+        assert "Training did not break" not in text
 
 
 def test_scripts_help_is_not_a_run_that_never_trained(tmp_path):

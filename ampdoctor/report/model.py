@@ -283,6 +283,15 @@ def loss_growth(timeline: list[dict], decision: Any) -> tuple[tuple[int, float],
     return (low, last) if low[1] > 0 and last[1] > 10 * low[1] and last[0] > low[0] else None
 
 
+def _trained_nothing(timeline: list[dict], meta: dict, rows: list[LayerRow]) -> bool:
+    """No optimizer step, no GradScaler step and no gradient recorded: forward passes only."""
+    steps = meta.get("optimizer_steps")
+    if steps is None:
+        steps = max((t.get("optimizer_steps") or 0 for t in timeline), default=0)
+    return (not int(steps or 0) and not any(t.get("scale") is not None for t in timeline)
+            and not any(r.kind in ("gradient", "weight_grad") for r in rows))
+
+
 def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[LayerRow] | None = None) -> Diagnosis:
     oracle = Oracle(OracleConfig())
     decision = None
@@ -356,6 +365,10 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
         lines.append(f"Training did not break in the {plural(len(timeline), 'step')} seen, but took no optimizer step: the "
                      "GradScaler skipped every one. Run more steps to tell start-up backoffs, which end once the "
                      "scale fits the gradients, from a failure.")
+    elif rows is not None and timeline and _trained_nothing(timeline, meta, rows):
+        lines.append(f"Nothing trained in the {plural(len(timeline), 'step')} seen: no backward pass, no optimizer.step() "
+                     "and no GradScaler.update() ran (evaluation only?), so this shows forward outputs and weights "
+                     "only. Watch the training loop to check its gradients and updates.")
     else:
         lines.append(f"Training did not break in the {plural(len(timeline), 'step')} seen.")
     if fn is not None:
