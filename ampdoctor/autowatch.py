@@ -72,6 +72,7 @@ class AutoWatch:
         self._known.update(id(m) for m in root.modules())
         self._known.add(id(module))
         log.info("ampdoctor: watching %s automatically%s", type(root).__name__, f" as {prefix}" if prefix else "")
+        w.enter_call_late(module, args)  # this first call is past the root's own pre-hooks
         if w._fp32 is not None and module is root:
             # this first call is past the root's own pre-hooks: force it by hand (pure .half() models
             # need their inputs cast to float32 right now, since the parameters already are)

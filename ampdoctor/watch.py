@@ -342,6 +342,8 @@ class Watch:
             prunable = is_leaf and not inplace
             pre_fn = self._make_pre(lid, inplace, prunable)
             pre = mod.register_forward_pre_hook(pre_fn, with_kwargs=True)
+            if name == "":
+                self._root_pre = pre_fn  # (see enter_call_late)
             self._sleepers.append(pre)
             if prunable:
                 self._prunable[lid] = (pre, own_in, mod, pre_fn)
@@ -360,6 +362,15 @@ class Watch:
                     self._owners.append((mod._parameters, pname))
         self._grads_seen = [None] * len(self._params)
         self._handles.extend(self._sleepers)
+
+    def enter_call_late(self, module: nn.Module, args: Any) -> None:
+        """The root's pre-hook, by hand, for the call of ``module`` (the root) that is going on while this
+        watch was made (``ampdoctor run``'s automatic watch, made in a global pre-hook of that call, after
+        torch took the module's own pre-hooks): its post-hook then ends a call that it saw begin, not one
+        begun before the step boundary. (That call's keyword inputs are not seen.)"""
+        pre = getattr(self, "_root_pre", None)
+        if pre is not None and module is self.root and not self._removed:
+            pre(module, args, {})
 
     def tree_changed(self) -> bool:
         """Whether a submodule was replaced, removed or added since the hooks were attached
