@@ -17,6 +17,7 @@ import queue
 import shlex
 import sqlite3
 import threading
+import time
 import urllib.parse
 import weakref
 from pathlib import Path
@@ -303,6 +304,21 @@ def _ready(child: Any) -> bool:
         return False
 
 
+def _ready_now(child: Any) -> bool | None:
+    """Whether the writer process said it is ready, without waiting: None while it has said nothing
+    yet, False if it ended or said something else (see :func:`_ready`)."""
+    try:
+        import select
+        if not select.select([child.stdout], [], [], 0)[0]:
+            return None if child.poll() is None else False
+    except (ImportError, OSError, ValueError):  # no select on pipes (Windows): wait for it
+        return _ready(child)
+    try:
+        return child.stdout.readline() == b"ready\n"
+    except OSError:  # pragma: no cover
+        return False
+
+
 def _jsonable(v: Any) -> Any:
     """Row values JSON does not carry: blobs as {"$b": hex} (the writer process turns them back),
     numpy scalars as Python numbers."""
@@ -417,18 +433,32 @@ class TraceWriter:
         con = None
         pending = 0
         stats_sql: dict[int, str] = {}
-        if self._child is not None and not _ready(self._child):
-            log.info("ampdoctor trace: the writer process did not start; writing from a thread")
-            child, self._child = self._child, None
-            try:
-                child.kill()
-                child.wait(5)
-            except Exception:  # pragma: no cover
-                pass
+        # Until the writer process says it is ready (its start takes about half a second), this thread
+        # writes itself, committing as it would: a training process killed meanwhile keeps its steps.
+        waiting = self._child is not None
+        deadline = time.monotonic() + _READY_TIMEOUT
         try:
             while True:
                 item = self._q.get()
-                if self._child is not None:
+                if waiting:
+                    ready = _ready_now(self._child)
+                    if ready is None and time.monotonic() > deadline:
+                        ready = False
+                    if ready is False:
+                        log.info("ampdoctor trace: the writer process did not start; writing from a thread")
+                        child, self._child, waiting = self._child, None, False
+                        try:
+                            child.kill()
+                            child.wait(5)
+                        except Exception:  # pragma: no cover
+                            pass
+                    elif ready:
+                        waiting = False
+                        if con is not None:  # what this thread wrote is committed before the process writes on
+                            con.commit()
+                            con.close()
+                            con, pending = None, 0
+                if self._child is not None and not waiting:
                     try:
                         if self._feed(item):
                             break

@@ -188,3 +188,31 @@ def test_a_file_that_is_not_a_trace_is_never_overwritten(tmp_path):
     with pytest.raises(ValueError, match="not an ampdoctor trace"):
         TraceWriter(path)
     assert path.read_bytes() == b"not a trace" * 100
+
+
+def test_what_comes_before_the_writer_process_is_ready_is_committed_at_once(tmp_path, monkeypatch):
+    """The writer process takes about half a second to start. What the training sent meanwhile waited
+    for it in the training process's memory, so a run killed in its first half second (an early NaN
+    check that calls os.kill, the OOM killer) lost every step. The thread now writes it itself, and
+    hands over to the process once it is ready."""
+    slow = tmp_path / "slow_child.py"
+    slow.write_text(f"import runpy, sys, time\ntime.sleep(3)\nrunpy.run_path({str(trace_mod._CHILD)!r}, run_name='__main__')\n")
+    monkeypatch.setattr(trace_mod, "_CHILD", slow)
+    w = TraceWriter(tmp_path / "t.sqlite")
+    w.set_meta(status="running")
+    meta, host = _rows(3, 20, 4)
+    w.add_stat_rows(0, meta, host, 12)
+    w.commit()
+    deadline = time.monotonic() + 2
+    while time.monotonic() < deadline and not TraceReader(tmp_path / "t.sqlite").stats():
+        time.sleep(0.05)
+    assert w._child is not None and w._child.poll() is None  # the process is still starting
+    assert len(TraceReader(tmp_path / "t.sqlite").stats()) == 3  # committed already, by the thread
+    time.sleep(3)  # the process is ready now: it writes the rest
+    w.add_stat_rows(1, meta, host, 12)
+    w.commit()
+    w.flush()
+    assert w._child is not None  # (it took over)
+    w.close()
+    r = TraceReader(tmp_path / "t.sqlite")
+    assert [s["step"] for s in r.stats()] == [0, 0, 0, 1, 1, 1] and r.meta()["status"] == "running"
