@@ -111,3 +111,60 @@ def test_removing_one_of_two_watches_leaves_what_was_recorded_readable(tmp_path)
     assert len(t.steps()) == 2
     assert {t.layers()[r["layer"]]["name"] for r in t.stats(kind="activation")} >= {"Sequential:0", "Sequential:1"}
     wa.remove()
+
+
+_SAMPLED = """
+import sys, torch, ampdoctor
+torch.set_num_threads(1); torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+w = ampdoctor.watch(model, every=4, trace=sys.argv[1])
+for step in range(14):
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    if sys.argv[2] == "transient" and step == 5:
+        x = x * 1e5  # one NaN loss (an fp16 overflow in layer 0), at a step not recorded in detail
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = ((model(x).float() - y) ** 2).mean()
+    loss.backward()
+    if sys.argv[2] == "update" and step == 5:
+        with torch.no_grad():
+            model[2].weight.grad[0, 0] = float("inf")  # the update makes layer 2's weights Inf; NaN spreads from there
+    if sys.argv[2] == "update" or torch.isfinite(loss):
+        opt.step()
+    opt.zero_grad()
+w.remove()
+"""
+
+
+def _sampled_report(tmp_path, how):
+    import subprocess
+    import sys
+
+    from ampdoctor.report import build_report
+
+    script = tmp_path / "sampled.py"
+    script.write_text(_SAMPLED)
+    p = subprocess.run([sys.executable, str(script), str(tmp_path / "t.sqlite"), how], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    return build_report(tmp_path / "t.sqlite")
+
+
+def test_sampled_steps_do_not_blame_a_layer_that_nan_reached_through_the_updates(tmp_path):
+    # with every=4 the loss went NaN at step 6 (after step 5's update); the first detailed step, 8, showed
+    # layer 0's output NaN (its weights were NaN by then) and the advice said to keep layer 0 in FP32
+    rep = _sampled_report(tmp_path, "update")
+    text = " ".join(rep.diagnosis.lines)
+    assert rep.diagnosis.first_nonfinite is None
+    assert "The loss was non-finite from step 6 (layer statistics sampled every 4 steps): the first non-finite value " \
+           "recorded (step 8," in text, text
+    assert "Rerun with --every 1 to pin it" in text and "produced NaN/Inf from finite inputs" not in text
+    assert not any("keep_fp32" in a for a in rep.advice), rep.advice
+
+
+def test_a_nan_loss_at_a_step_not_recorded_in_detail_is_said(tmp_path):
+    rep = _sampled_report(tmp_path, "transient")
+    text = " ".join(rep.diagnosis.lines)
+    assert "The loss was non-finite at step 5, which was not recorded in detail (layer statistics sampled every 4 " \
+           "steps): rerun with --every 1" in text, text
+    assert not any("see the first non-finite producer" in a for a in rep.advice), rep.advice

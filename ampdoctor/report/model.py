@@ -327,6 +327,10 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
         # loss of that last step never reached backward, but the outputs say what happened
         decision = Decision("fail", fwd_events[0]["step"], "nonfinite_loss")
     fn = _pick_first_nonfinite(events, decision)
+    every = int(meta.get("every") or 1)
+    spread = None  # (sampled steps) the first non-finite value recorded came after the loss had gone non-finite
+    if fn is not None and every > 1 and first_loss_bad is not None and fn["step"] > first_loss_bad:
+        spread, fn = fn, None  # not the producer: by then NaN had spread, through the updates, to the weights
     skipped = sum(1 for t in timeline if t["skipped"])
     n_start = startup_backoffs(timeline)
     backoff = backoff_scales(timeline, n_start)
@@ -387,7 +391,16 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
         else:
             lines.append(f"First non-finite value: step {fn['step']}, {what} of {fn['layer'] or '(root)'} "
                          "(it produced NaN/Inf from finite inputs; later layers only propagate it).")
-    every = int(meta.get("every") or 1)
+    if spread is not None:
+        what = {"activation": "a forward output", "gradient": "a gradient", "weight_grad": "a weight gradient",
+                "weight": "the weights"}.get(spread["kind"], spread["kind"])
+        lines.append(f"The loss was non-finite from step {first_loss_bad} (layer statistics sampled every {every} "
+                     f"steps): the first non-finite value recorded (step {spread['step']}, {what} of "
+                     f"{spread['layer'] or '(root)'}) came after it, when NaN had spread through the updates, so it does "
+                     "not say which layer made it. Rerun with --every 1 to pin it.")
+    elif fn is None and every > 1 and first_loss_bad is not None and first_loss_bad % every:
+        lines.append(f"The loss was non-finite at step {first_loss_bad}, which was not recorded in detail (layer statistics "
+                     f"sampled every {every} steps): rerun with --every 1 to see which layer produced it.")
     if fn is not None and every > 1:
         lines.append(f"Layer statistics were sampled every {every} steps (and in full after a non-finite loss): "
                      "the first non-finite value may come a few steps earlier; rerun with --every 1 to pin it.")

@@ -98,8 +98,12 @@ def scaler_advice(report: Report, h: ScalerHealth, ls: LossScaleAnalysis | None)
         return f"2**{math.log2(v):.0f}" if v and v > 0 else "0"
 
     base = f"GradScaler: {h.skipped} of {plural(h.steps, 'step')} skipped"
+    see = ("see the first non-finite producer" if report.diagnosis.first_nonfinite else
+           "its producer was not recorded: rerun with --every 1 to see which layer makes it"
+           if int(report.meta.get("every") or 1) > 1 else "no watched layer's output was non-finite: the loss "
+           "computation outside the model, or the data")
     forward = (f" The loss itself was NaN/Inf in {h.nonfinite_loss_skips} of the skipped steps: the forward pass "
-               "produces it (see the first non-finite producer), which no loss scale fixes."
+               f"produces it ({see}), which no loss scale fixes."
                if h.nonfinite_loss_skips else "")
     if h.state == "below_one":
         # (with a NaN/Inf loss among the skips the forward did produce one: the steps after prove only the scale)
