@@ -764,6 +764,15 @@ class TraceReader:
         sql = f"SELECT DISTINCT step FROM stats WHERE kind IN ({', '.join('?' * len(kinds))}) AND (nan OR posinf OR neginf)"
         return {r[0] for r in self._tuples(sql, kinds)}
 
+    def repeated_rows(self, kind: str, dtypes: Sequence[str]) -> np.ndarray:
+        """The rowids of the rows of ``kind`` in ``dtypes`` that are not the first of their step, layer and
+        slot: the weight gradients read again after each backward of an accumulating step, each a sum of
+        the micro-batches so far."""
+        marks = ", ".join("?" * len(dtypes))
+        sql = (f"SELECT rowid FROM stats WHERE kind = ? AND dtype IN ({marks}) AND rowid NOT IN "
+               f"(SELECT MIN(rowid) FROM stats WHERE kind = ? GROUP BY step, layer, slot)")
+        return np.fromiter((r[0] for r in self._tuples(sql, (kind, *dtypes, kind))), dtype=np.int64)
+
     def step_cells(self, kind: str) -> dict[str, np.ndarray]:
         """The rows of ``kind`` totalled in SQL per ``(layer, step)``, as numpy columns: ``layer``,
         ``step``; ``absmax``, the largest (NULL, a NaN, read as 0.0); ``bad``, a row held NaN or Inf;

@@ -48,16 +48,48 @@ def _fixture_constants(name: str) -> dict:
 
 # -- closed forms on synthetic traces -------------------------------------------------------------------
 def test_loss_scale_range_closed_form(tmp_path):
-    # 1000 gradient values in binade -10 as recorded at scale 2**10: unscaled binade -20.
-    # no overflow: -20 + 1 + k <= log2(65504) -> k <= 34; normal: -20 + k >= -14 -> k >= 6.
+    # 1000 gradient values in binade -10 as recorded at scale 2**10, abs-max 1.5 * 2**-10: unscaled binade
+    # -20, abs-max 1.5 * 2**-20. no overflow: 1.5 * 2**(k - 20) <= 65504 -> k <= 35 (the largest value, not
+    # its binade's top, which said k <= 34: one scale too few); normal: -20 + k >= -14 -> k >= 6.
     p = synthetic_trace(tmp_path / "t.sqlite", grad_exps=[(-10, 1000)], scales=[2.0 ** 10] * 4)
     rep = build_report(p)
     a = loss_scale_analysis(rep)
-    assert (a.k_lo, a.k_hi, a.top_exp) == (6, 34, -20)
+    assert (a.k_lo, a.k_hi, a.top_exp) == (6, 35, -20)
+    assert 1.5 * 2.0 ** (35 - 20) <= 65504 < 1.5 * 2.0 ** (36 - 20)
     assert a.steps_used == 4 and a.values == 4000
     lo, hi, rec = loss_scale_range(rep)
-    assert (lo, hi) == (2.0 ** 6, 2.0 ** 34)
-    assert lo <= rec <= hi and rec == 2.0 ** 20
+    assert (lo, hi) == (2.0 ** 6, 2.0 ** 35)
+    assert lo <= rec <= hi and rec == 2.0 ** 21
+
+
+def test_an_accumulating_steps_fp32_grad_sums_do_not_set_the_loss_scale(tmp_path):
+    # 4 micro-batches a step: the fp32 .grad is read after each backward. Only the first reading is one
+    # micro-batch's gradient (fp16, upcast); the later ones are sums never cast to fp16, and they said
+    # the scale could go 2 binades less high than it can (and were counted 4 times over)
+    import numpy as np
+
+    from ampdoctor.formats import get_format
+    from ampdoctor.trace import TraceWriter, hist_blob
+
+    f = get_format("fp16")
+    w = TraceWriter(tmp_path / "t.sqlite")
+    w.set_meta(format="fp16", every=1, status="finished", argv=["synthetic"])
+    w.add_layers([(0, "lin", "Linear", 0, 1, None)])
+    rows = []
+    for step in range(3):
+        for mb in range(4):
+            amax = 1.5 * 2.0 ** (-6 + mb)  # (as recorded at scale 2**10) the sum grows with each micro-batch
+            hist = np.zeros(f.n_bins, dtype=np.int64)
+            hist[1 + (-6 + mb) - f.min_exp] = 100
+            rows.append((step, 0, "weight_grad", "weight", 0, "float32", 100, 400, 0, 0, 0, 0, -amax, amax, amax, amax,
+                         0, 0, 0, hist_blob(hist)))
+        w.add_step((step, 1.0, 2.0 ** 10, 0, step + 1, 1, 0.0))
+    w.add_stats(rows)
+    w.commit()
+    w.close()
+    a = loss_scale_analysis(build_report(tmp_path / "t.sqlite"))
+    # the first readings: 1.5 * 2**-16 unscaled; 1.5 * 2**(k - 16) <= 65504 -> k <= 31
+    assert a.values == 300 and a.top_exp == -16 and a.k_hi == 31
 
 
 def test_loss_scale_range_allows_one_percent_underflow(tmp_path):
@@ -86,8 +118,8 @@ def test_unscaling_uses_the_scale_of_the_step_before(tmp_path):
                         skipped=[0, 1, 0])
     a = loss_scale_analysis(build_report(p))
     assert a.steps_used == 2
-    # step 0: -4 - 16 = -20; step 2: -4 - 15 = -19 -> top -19
-    assert a.top_exp == -19 and a.k_hi == 15 - (-19) - 1
+    # step 0: -4 - 16 = -20; step 2: -4 - 15 = -19 -> top -19, abs-max 1.5 * 2**-19: 1.5 * 2**(k - 19) <= 65504
+    assert a.top_exp == -19 and a.k_hi == 34
 
 
 @pytest.mark.parametrize("scales,skipped,state", [

@@ -53,13 +53,21 @@ class LossScaleAnalysis:
         return self.k_rec is not None
 
 
-def _k_range(hist: dict[int, int], fmt: Format, max_underflow_pct: float) -> tuple[int, int, int]:
-    """(k_lo, k_hi, top exponent) of one exponent histogram."""
+def _k_range(hist: dict[int, int], fmt: Format, max_underflow_pct: float, amax: float = 0.0) -> tuple[int, int, int]:
+    """(k_lo, k_hi, top exponent) of one exponent histogram whose largest value is ``amax`` (0: not known)."""
     es = sorted(hist)
     total = sum(hist.values())
     top = es[-1]
-    # values in binade e are < 2**(e+1): scaled by 2**k they stay <= max while e+1+k <= log2(max)
-    k_hi = fmt.max_exp - top - 1
+    if 0 < amax < math.inf:
+        # scaled by 2**k (exact) the largest value stays <= max, so no value overflows
+        k_hi = math.floor(math.log2(fmt.max / amax))
+        while amax * 2.0 ** k_hi > fmt.max:  # (log2's rounding)
+            k_hi -= 1
+        while amax * 2.0 ** (k_hi + 1) <= fmt.max:
+            k_hi += 1
+    else:
+        # values in binade e are < 2**(e+1): scaled by 2**k they stay <= max while e+1+k <= log2(max)
+        k_hi = fmt.max_exp - top - 1
     # values in binade e stay normal when e+k >= normal_exp; find the least k with few below
     allowed = total * max_underflow_pct / 100.0
     below = 0
@@ -77,19 +85,19 @@ def loss_scale_analysis(report: Report, *, max_underflow_pct: float = MAX_UNDERF
     got = unscaled_hists(report)
     if not got or not got[0]:
         return None
-    per_layer, steps_used = got
+    per_layer, steps_used, amax = got
     fmt = report.fmt
     merged: dict[int, int] = {}
     for h in per_layer.values():
         for e, c in h.items():
             merged[e] = merged.get(e, 0) + c
-    k_lo, k_hi, top = _k_range(merged, fmt, max_underflow_pct)
+    k_lo, k_hi, top = _k_range(merged, fmt, max_underflow_pct, max(amax.values(), default=0.0))
     normal_binades = fmt.max_exp - fmt.normal_exp  # binades between the smallest normal and max/2
     spans, wide = {}, []
     for name, h in per_layer.items():
-        lo, hi, _ = _k_range(h, fmt, max_underflow_pct)
+        lo, hi, _ = _k_range(h, fmt, max_underflow_pct)  # (by binades: the span counts whole binades)
         spans[name] = normal_binades - (hi - lo)  # binades the layer needs (1st percentile .. max)
-        if hi < lo:
+        if _k_range(h, fmt, max_underflow_pct, amax.get(name, 0.0))[1] < lo:
             wide.append(name)
     k_rec = None
     under = None

@@ -46,9 +46,9 @@ def grad_layers(report: Report) -> set[str] | None:
     return {r.layer for r in acts if r.dtype not in HIGH_PRECISION}
 
 
-def unscaled_hists(report: Report) -> tuple[dict[str, dict[int, int]], int] | None:
+def unscaled_hists(report: Report) -> tuple[dict[str, dict[int, int]], int, dict[str, float]] | None:
     """Per layer: unscaled exponent -> count, from clean steps (finite loss, no NaN/Inf gradient),
-    and the number of steps used. None when the trace file is gone. Layers come in the order their
+    the number of steps used, and per layer the largest unscaled abs-max. None when the trace file is gone. Layers come in the order their
     first row used came in (the gradients' rows, by step, then the weight gradients'); each layer's
     exponents in increasing order.
 
@@ -67,6 +67,9 @@ def unscaled_hists(report: Report) -> tuple[dict[str, dict[int, int]], int] | No
         names = {row["id"]: (row["name"] or "(root)") for row in reader.layers()}
         bad_steps |= reader.nonfinite_steps(GRAD_KINDS)
         bad = np.array(sorted(bad_steps), dtype=np.int64)
+        # an accumulating step's fp32 .grad read after its later backwards is a sum never cast to the format:
+        # only its first reading (one micro-batch's gradient, upcast) counts (fp16 .grad sums do overflow)
+        sums = reader.repeated_rows("weight_grad", HIGH_PRECISION)
         shifts: dict[int, int] = {}
         layer_at: dict[int, int] = {}  # layer id -> its name's number in acc, or -1: not a layer kept
         for c in reader.stat_chunks(("layer", "step", "rowid", "nzmin", "absmax"), kinds=GRAD_KINDS,
@@ -77,7 +80,7 @@ def unscaled_hists(report: Report) -> tuple[dict[str, dict[int, int]], int] | No
                     name = names.get(lid, f"#{lid}")
                     layer_at[lid] = acc.layer(name) if keep is None or name in keep else -1
             nid = np.array([layer_at[lid] for lid in lids.tolist()], dtype=np.int64)[at.reshape(-1)]
-            use = (nid >= 0) & ~np.isin(c["step"], bad)
+            use = (nid >= 0) & ~np.isin(c["step"], bad) & ~np.isin(c["rowid"], sums)
             if not use.any():
                 continue
             rows = np.flatnonzero(use)
@@ -104,6 +107,7 @@ class _Unscaled:
         self.first: list[tuple[int, int, int]] = []  # per layer: (kind, step, rowid) of its first row used
         self.bins: dict[tuple[int, int], np.ndarray] = {}  # (layer, shift) -> exponent bins summed
         self.spread: list[dict[int, int]] = []     # per layer: unscaled exponent -> count from under/over bins
+        self.amax: list[float] = []                # per layer: the largest unscaled abs-max
         self.steps: set[int] = set()
 
     def layer(self, name: str) -> int:
@@ -112,6 +116,7 @@ class _Unscaled:
             self.index[name] = len(self.index)
             self.first.append((1 << 62, 1 << 62, 1 << 62))
             self.spread.append({})
+            self.amax.append(0.0)
         return self.index[name]
 
     def add(self, nid: np.ndarray, kinds: np.ndarray, steps: np.ndarray, rowids: np.ndarray, shifts: np.ndarray,
@@ -126,6 +131,11 @@ class _Unscaled:
             key = (int(kinds[i]), int(steps[i]), int(rowids[i]))
             if key < self.first[nid[i]]:
                 self.first[nid[i]] = key
+        top = absmax * np.exp2(-shifts.astype(np.float64))  # (a power of two: exact)
+        for n in np.unique(nid).tolist():
+            m = float(np.nanmax(top[nid == n], initial=0.0))
+            if m > self.amax[n]:
+                self.amax[n] = m
         # exponent bins: summed per (layer, shift) (one row of the same layer and shift is like another)
         pair, inverse = np.unique(np.stack([nid, shifts], axis=1), axis=0, return_inverse=True)
         sums = np.zeros((len(pair), fmt.n_bins - 2), dtype=np.int64)
@@ -169,7 +179,7 @@ class _Unscaled:
             for j in np.flatnonzero(counts[k]).tolist():
                 acc[j + off] = acc.get(j + off, 0) + int(counts[k, j])
 
-    def result(self) -> tuple[dict[str, dict[int, int]], int]:
+    def result(self) -> tuple[dict[str, dict[int, int]], int, dict[str, float]]:
         per: list[dict[int, int]] = [dict(s) for s in self.spread]
         for (n, sh), row in self.bins.items():
             acc = per[n]
@@ -177,10 +187,11 @@ class _Unscaled:
                 e = self.fmt.min_exp + j - sh
                 acc[e] = acc.get(e, 0) + int(row[j])
         names = sorted(self.index, key=lambda name: self.first[self.index[name]])
-        out = {}
+        out, amax = {}, {}
         for name in names:
             h = {e: c for e, c in sorted(per[self.index[name]].items()) if c}
             if h:
                 out[name] = h
-        return out, len(self.steps)
+                amax[name] = self.amax[self.index[name]]
+        return out, len(self.steps), amax
 
