@@ -325,3 +325,26 @@ def test_a_product_scaled_after_it_is_made_is_told_apart():
     assert not _scaled_after("w = q @ k.view(-1, 2)")
     assert not _scaled_after("x = torch.bmm(a, b)  # / 2")
     assert not _scaled_after("x = y * 2")
+
+
+def test_the_weights_advice_keeps_a_modules_name_as_it_is(tmp_path):
+    # it began the sentence with the name capitalised: "Proj.weight (float32) holds ..."
+    from ampdoctor.report import build_report
+    from ampdoctor.report.culprit import culprit_advice
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp, self.proj, self.out = nn.Linear(8, 16), nn.Linear(16, 8), nn.Linear(8, 1)
+
+        def forward(self, x):
+            return self.out(self.proj(torch.relu(self.inp(x))))
+
+    torch.manual_seed(0)
+    model = Net()
+    with torch.no_grad():
+        model.proj.weight[0, :8] = 1e5
+        model.proj.weight[0, 8:] = -1e5
+    _run_watched(model, str(tmp_path / "t.sqlite"))
+    text = "\n".join(culprit_advice(build_report(tmp_path / "t.sqlite")))
+    assert "proj.weight (float32) holds 16 values above the fp16 max" in text and "Proj.weight" not in text, text

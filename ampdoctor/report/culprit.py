@@ -161,7 +161,8 @@ def _weights_beyond(report: Report, layer: str) -> list[str]:
         else:
             since = f", from step {r.first_bad_step}" if r.first_bad_step is not None else ""
             held = f"the {r.dtype} weights of {r.layer} hold values {beyond} (abs-max {fmt_num(r.absmax)}{since})"
-        out.append(f"{held[0].upper()}{held[1:]}: autocast casts the weights to {fmt.name} when {r.layer} runs, and "
+        held = f"{held[0].upper()}{held[1:]}" if held.startswith("the ") else held  # (a module's name keeps its case)
+        out.append(f"{held}: autocast casts the weights to {fmt.name} when {r.layer} runs, and "
                    f"those values become Inf, so its output turns Inf or NaN (Inf - Inf) although its input is finite. "
                    f"Keeping {r.layer} in FP32 works around it; find out why the weights grew so large (learning "
                    "rate, weight decay, the initialisation or a loaded checkpoint) and scale them down.")
