@@ -232,6 +232,9 @@ def test_bisect_op_entry_names_the_matmul_and_says_its_absmax_is_recomputed_in_f
     text = "\n".join(build_report(tmp_path).advice)
     assert (f"The first overflowing op is matmul at {QK_LINE} in blocks.1.attn (abs-max {first['absmax']:.3g} when "
             "recomputed in FP32 vs fp16 max 65504; its float16 output held Inf/NaN)") in text, text
+    # as bisect's own advice: a product already Inf/NaN is not saved by a clamp after it (it offered one)
+    assert "clamping the scores after the product is too late: it is Inf/NaN already" in text and \
+        "scores.clamp(" not in text, text
     from ampdoctor.bisect.cli import _summary
     from ampdoctor.report.html import render_html
 

@@ -236,7 +236,10 @@ def attention_advice(report: Report) -> list[str]:
                    f"{report.fmt.max:.6g}; its {mm.get('dtype') or 'low-precision'} output held Inf/NaN)"
     else:
         amax = " (non-finite output)" if mm.get("nonfinite") else ""
+    # a product that is itself Inf/NaN in the format is past saving by a clamp after it (bisect's advice says so too)
+    clamp = ("; clamping the scores after the product is too late: it is Inf/NaN already" if mm.get("nonfinite") else
+             ", or clamp them before softmax (`scores.clamp(-3e4, 3e4)`)")
     return [f"The first overflowing op is {mm.get('op')}{where} in {mm.get('layer')}{amax}, a matmul feeding a softmax: "
             "scale q by 1/sqrt(head_dim) before the matmul instead of the scores after it "
-            "(`q = q * head_dim ** -0.5; scores = q @ k.transpose(-2, -1)`), compute the scores in FP32, or clamp them "
-            "before softmax (`scores.clamp(-3e4, 3e4)`); `F.scaled_dot_product_attention` does the pre-scaling for you."]
+            "(`q = q * head_dim ** -0.5; scores = q @ k.transpose(-2, -1)`) or compute the scores in FP32"
+            f"{clamp}; `F.scaled_dot_product_attention` does the pre-scaling for you."]
