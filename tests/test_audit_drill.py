@@ -351,3 +351,44 @@ def test_the_weights_advice_keeps_a_modules_name_as_it_is(tmp_path):
     _run_watched(model, str(tmp_path / "t.sqlite"))
     text = "\n".join(culprit_advice(build_report(tmp_path / "t.sqlite")))
     assert "proj.weight (float32) holds 16 values above the fp16 max" in text and "Proj.weight" not in text, text
+
+
+class _Square(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        return x * x * self.alpha  # the output itself above the fp16 max
+
+
+class _Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc, self.gate, self.out = nn.Linear(d, d), _Square(d), nn.Linear(d, 1)
+
+    def forward(self, x):
+        return self.out(self.gate(self.fc(x)))
+
+
+def test_a_pure_half_suspect_whose_output_overflows_is_told_the_cast_back_overflows_too(tmp_path):
+    # keep_fp32(gate) alone casts its output back to fp16, where it overflows again: the run's advice
+    # named the gate alone (applied, the loss stayed NaN); bisect's answer is the block around it
+    import ampdoctor
+    from ampdoctor.report import build_report
+    from ampdoctor.report.culprit import culprit_advice
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), _Block(8)).half()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+    with ampdoctor.watch(model, trace=tmp_path / "t.sqlite"):
+        for _ in range(2):
+            loss = model(torch.full((2, 4), 2000.0, dtype=torch.float16)).float().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    rep = build_report(tmp_path / "t.sqlite")
+    assert rep.diagnosis.first_nonfinite["layer"] == "1.gate", rep.diagnosis.first_nonfinite
+    text = "\n".join(culprit_advice(rep))
+    assert "keep_fp32(1.gate) casts its output back to float16" in text, text
+    assert "Then keep its parent instead: `ampdoctor.keep_fp32(model[1])`" in text, text

@@ -92,6 +92,23 @@ def _evidence(report: Report, layer: str) -> str:
     return "; ".join(bits)
 
 
+def _cast_back(report: Report, name: str) -> list[str]:
+    """A suspect of a pure fp16/bf16 model whose output went Inf: keep_fp32 casts its output back to the
+    model's dtype, where an output that is itself too large overflows again (an audit's ``x * x * alpha``
+    gate: its keep_fp32 alone left the loss NaN; bisect's answer was the block around it)."""
+    half = half_weights_under(name, half_weights(report))
+    act = next((r for r in report.layers if r.layer == name and r.kind == "activation"), None)
+    if not half or act is None or not (act.inf or act.overflow):
+        return []
+    parent = name.rpartition(".")[0]
+    who = (f"its parent instead: `ampdoctor.keep_fp32({module_expr(parent, types=report.module_types)})`" if parent else
+           "the layers that consume it too")
+    return [f"The model's weights are {half} (no autocast): keep_fp32({name}) casts its output back to {half}, so if "
+            f"that output is itself above the {report.fmt.name} max (its Inf may be the output's own, not a value "
+            f"inside its forward's), it overflows there again and the loss stays non-finite. Then keep {who}, or "
+            "bound the output; `ampdoctor bisect` finds the smallest set that fixes training."]
+
+
 def culprit_advice(report: Report) -> list[str]:
     """How to keep the culprits in FP32 and why; when there is none, where the non-finite value came from."""
     names, source = culprits(report)
@@ -132,6 +149,7 @@ def culprit_advice(report: Report) -> list[str]:
         lines[0] += (" (a suspect from this run's numbers: `ampdoctor bisect` re-runs the script to check that it "
                      "really fixes training, or finds that FP32 breaks too)")
         lines += weights or _nan_not_overflow(report, names[0])
+        lines += _cast_back(report, names[0])
     else:  # what bisect's drill-down saw of the culprits' inputs (bisect.json's advice)
         lines += weights
         lines += [a for a in (report.bisect or {}).get("advice") or [] if isinstance(a, str) and a.startswith(CAME_IN)]
