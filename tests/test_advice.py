@@ -877,3 +877,14 @@ def test_a_loss_that_grows_while_the_scaler_backs_off_is_called_a_divergence(tmp
     assert "scaler.unscale_(opt)" in first, first
     line = rep.diagnosis.lines[0]
     assert "a divergence that broke the GradScaler" in line and "persistent gradient overflow" not in line, line
+
+
+def test_start_up_backoffs_and_a_later_skip_say_the_count_once(tmp_path):
+    # two bullets both began "GradScaler: 2 of 10 steps skipped"
+    scales = [2.0 ** 15] * 5 + [2.0 ** 14] * 5
+    p = synthetic_trace(tmp_path / "t.sqlite", grad_exps=[(-4, 100)], scales=scales, skipped=[1, 0, 0, 0, 0, 1, 0, 0, 0, 0])
+    said = [a for a in build_report(p).advice if "skip" in a]
+    assert sum(a.startswith("GradScaler: 2 of 10 steps skipped") for a in said) == 1, said
+    assert any(a.startswith("GradScaler: 2 of 10 steps skipped: 1 start-up backoff (2**16 -> 2**15) is normal;")
+               and a.endswith("avoids it.") for a in said), said
+    assert any(a.startswith("Of those skips, 1 after start-up: occasional overflow") for a in said), said

@@ -155,12 +155,14 @@ def scaler_advice(report: Report, h: ScalerHealth, ls: LossScaleAnalysis | None)
     elif h.startup_backoffs:
         out.append(f"{base}: {plural(h.startup_backoffs, 'start-up backoff')} ({lg(h.first_scale)} -> "
                    f"{lg(settled)}) {'is' if h.startup_backoffs == 1 else 'are'} normal; "
-                   + (f"`GradScaler(init_scale={scale_literal(ls.k_rec)})` avoids them." if ls and ls.feasible
-                      else "a lower init_scale avoids them."))
+                   + (f"`GradScaler(init_scale={scale_literal(ls.k_rec)})` avoids "
+                      f"{'it' if h.startup_backoffs == 1 else 'them'}." if ls and ls.feasible
+                      else f"a lower init_scale avoids {'it' if h.startup_backoffs == 1 else 'them'}."))
     if h.state == "occasional":
         finite = " with a finite loss" if h.nonfinite_loss_skips else ""
         since = settled if h.startup_backoffs and settled else h.first_scale  # (the backoffs are said apart)
-        out.append(f"{base}, {h.overflow_after_startup}{finite} after start-up: occasional overflow that the scaler backs off "
+        lead = f"{base}, {h.overflow_after_startup}" if not out else f"Of those skips, {h.overflow_after_startup}"  # (said once)
+        out.append(f"{lead}{finite} after start-up: occasional overflow that the scaler backs off "
                    f"from (scale {lg(since)} -> {lg(h.last_scale)}{' after start-up' if since != h.first_scale else ''})"
                    + ("." if h.nonfinite_loss_skips else "; normal for a dynamic loss scale."))
     if h.state == "frequent":
