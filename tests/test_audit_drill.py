@@ -392,3 +392,31 @@ def test_a_pure_half_suspect_whose_output_overflows_is_told_the_cast_back_overfl
     text = "\n".join(culprit_advice(rep))
     assert "keep_fp32(1.gate) casts its output back to float16" in text, text
     assert "Then keep its parent instead: `ampdoctor.keep_fp32(model[1])`" in text, text
+
+
+def test_a_diverging_run_is_told_its_overflow_may_be_the_divergence(tmp_path):
+    # a learning rate of 0.5: the loss grew 20-fold, then layer 2's output overflowed; the advice named
+    # layer 2 alone, and bisect's all-FP32 control broke too (not_precision)
+    import ampdoctor
+    from ampdoctor.report import build_report
+    from ampdoctor.report.culprit import culprit_advice
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    sc = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(1)
+    with ampdoctor.watch(m, trace=tmp_path / "t.sqlite"):
+        for _ in range(16):
+            x = torch.randn(16, 8, generator=g) * 3
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.mse_loss(m(x).float(), x.sum(1, keepdim=True))
+            opt.zero_grad()
+            sc.scale(loss).backward()
+            sc.step(opt)
+            sc.update()
+    rep = build_report(tmp_path / "t.sqlite")
+    assert rep.diagnosis.first_nonfinite is not None
+    text = "\n".join(culprit_advice(rep))
+    assert "Before that, the loss grew from " in text and "a training that diverges" in text, text
+    assert "verdict is not_precision" in text

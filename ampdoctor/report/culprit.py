@@ -92,6 +92,27 @@ def _evidence(report: Report, layer: str) -> str:
     return "; ".join(bits)
 
 
+def _grew_first(report: Report) -> list[str]:
+    """The loss grew tenfold or more before the first non-finite value (over the finite losses of the steps
+    before it, taken or skipped): a divergence ends in an overflow too, and FP32 does not fix it (an audit's
+    learning rate of 0.5 got "keep model[2] in FP32"; bisect's all-FP32 control broke too)."""
+    fn = report.diagnosis.first_nonfinite or {}
+    if fn.get("step") is None:
+        return []
+    before = [(t["step"], t["loss"]) for t in report.timeline if t["step"] < fn["step"] and t["loss"] is not None
+              and math.isfinite(t["loss"]) and t["loss"] > 0]
+    if len(before) < 3:
+        return []
+    low = min(before, key=lambda p: p[1])
+    high = max((p for p in before if p[0] > low[0]), key=lambda p: p[1], default=None)
+    if high is None or high[1] < 10 * low[1]:
+        return []
+    return [f"Before that, the loss grew from {fmt_num(low[1])} (step {low[0]}) to {fmt_num(high[1])} (step {high[0]}): "
+            "a training that diverges (a learning rate too high, bad data) ends in an overflow like this one too, and "
+            "FP32 does not fix it. `ampdoctor bisect` tells the two apart (if its all-FP32 control breaks as well, the "
+            "verdict is not_precision)."]
+
+
 def _cast_back(report: Report, name: str) -> list[str]:
     """A suspect of a pure fp16/bf16 model whose output went Inf: keep_fp32 casts its output back to the
     model's dtype, where an output that is itself too large overflows again (an audit's ``x * x * alpha``
@@ -150,6 +171,7 @@ def culprit_advice(report: Report) -> list[str]:
                      "really fixes training, or finds that FP32 breaks too)")
         lines += weights or _nan_not_overflow(report, names[0])
         lines += _cast_back(report, names[0])
+        lines += _grew_first(report)
     else:  # what bisect's drill-down saw of the culprits' inputs (bisect.json's advice)
         lines += weights
         lines += [a for a in (report.bisect or {}).get("advice") or [] if isinstance(a, str) and a.startswith(CAME_IN)]
