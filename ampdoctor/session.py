@@ -558,6 +558,12 @@ class Session:
                 self._scaled_outputs.append((_weakref(scaled), kept))
         self._scaler = scaler
 
+    def on_first_scale(self, scale: float) -> None:
+        """A GradScaler's first ``scale()``, at its ``init_scale``: the scale this step's backward runs with
+        (its row in the steps table holds the scale after ``update()``, which may have grown already)."""
+        if not self.closed:
+            self.writer.set_meta(first_scale={"step": self.step, "scale": scale})
+
     def on_autograd_grad(self, outputs: Any) -> None:
         """``torch.autograd.grad(scaler.scale(loss), params, create_graph=True)``: the gradients of a
         gradient penalty. That loss is backpropagated later inside ``loss + penalty``, scaled again, so

@@ -197,12 +197,16 @@ class StepTracker:
             if key in inside:  # a subclass's scale() calling the base class's: seen once
                 return orig(scaler, outputs)
             inside.add(key)
+            fresh = getattr(scaler, "_scale", False) is None  # its first scale(): it starts at init_scale now
             try:
                 scaled = orig(scaler, outputs)
             finally:
                 inside.discard(key)
             if getattr(scaler, "_enabled", True) and isinstance(outputs, torch.Tensor):
                 sink.on_scaled_loss(scaler, outputs, scaled)
+                init = getattr(scaler, "_init_scale", None)
+                if fresh and isinstance(init, (int, float)):
+                    sink.on_first_scale(float(init))
             return scaled
 
         return scale

@@ -888,3 +888,36 @@ def test_start_up_backoffs_and_a_later_skip_say_the_count_once(tmp_path):
     assert any(a.startswith("GradScaler: 2 of 10 steps skipped: 1 start-up backoff (2**16 -> 2**15) is normal;")
                and a.endswith("avoids it.") for a in said), said
     assert any(a.startswith("Of those skips, 1 after start-up: occasional overflow") for a in said), said
+
+
+def test_the_first_steps_scale_is_the_grad_scalers_init_scale(tmp_path):
+    # GradScaler(init_scale=4, growth_interval=1) grows at step 0: its row holds 8 (after update()), and the
+    # first step was unscaled with 8 instead of the 4 its backward ran with (one binade low)
+    import torch
+    from torch import nn
+
+    import ampdoctor
+    from ampdoctor.report.unscaled import _used_scales
+
+    torch.manual_seed(0)
+    m = nn.Linear(4, 1)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    sc = torch.amp.GradScaler("cpu", init_scale=4.0, growth_interval=1)
+    with ampdoctor.watch(m, trace=tmp_path / "t.sqlite"):
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = m(torch.randn(2, 4)).float().pow(2).mean()
+            sc.scale(loss).backward()
+            sc.step(opt)
+            sc.update()
+            opt.zero_grad()
+    rep = build_report(tmp_path / "t.sqlite")
+    assert [t["scale"] for t in rep.timeline] == [8.0, 16.0, 32.0]
+    assert rep.meta["first_scale"] == {"step": 0, "scale": 4.0}
+    assert _used_scales(rep) == {0: 4.0, 1: 8.0, 2: 16.0}
+    # a scaler used before the watch began: nothing said, the first step's scale is inferred as before
+    sc2 = torch.amp.GradScaler("cpu", init_scale=4.0)
+    sc2.scale(torch.ones(()))
+    with ampdoctor.watch(nn.Linear(4, 1), trace=tmp_path / "u.sqlite") as w:
+        sc2.scale(w.model(torch.randn(2, 4)).sum()).backward()
+    assert "first_scale" not in build_report(tmp_path / "u.sqlite").meta

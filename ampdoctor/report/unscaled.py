@@ -24,12 +24,17 @@ GRAD_KINDS = ("gradient", "weight_grad")
 
 
 def _used_scales(report: Report) -> dict[int, float]:
-    """Scale each step's backward ran with (see the module doc)."""
+    """Scale each step's backward ran with (see the module doc). The first step's is the GradScaler's
+    init_scale where the trace holds it (``first_scale``: the watch saw the scaler's first ``scale()``)."""
     tl = {t["step"]: t for t in report.timeline}
     out: dict[int, float] = {}
+    first = report.meta.get("first_scale")
     for s in sorted(tl):
         prev = tl.get(s - 1)
-        if prev is not None and prev.get("scale"):
+        if isinstance(first, dict) and first.get("step") == s and isinstance(first.get("scale"), (int, float)) \
+                and first["scale"] > 0:
+            out[s] = float(first["scale"])
+        elif prev is not None and prev.get("scale"):
             out[s] = float(prev["scale"])
         elif tl[s].get("scale"):
             out[s] = float(tl[s]["scale"]) * (2.0 if tl[s].get("skipped") else 1.0)
