@@ -120,7 +120,7 @@ def test_os_exit_ends_a_watch_never_removed_with_every_step_kept(tmp_path):
     assert any(r["kind"] == "activation" for r in t.stats())
 
 
-def test_os_exit_is_torchs_own_again_after_remove(tmp_path):
+def test_os_exit_is_its_own_again_after_remove(tmp_path):
     p = _python("""
         if __name__ == "__main__":
             real = os._exit
