@@ -343,6 +343,11 @@ def test_bisect_through_torchrun(tmp_path):
     p = bisect("--out", tmp_path / "b", "--json", tmp_path / "r.json", "--nproc-per-node", "2", SCRIPTS / "ddp_overflow.py")
     res = json.loads((tmp_path / "r.json").read_text())
     assert res["verdict"] == "culprit" and res["culprits"] == ["2"], p.stdout + p.stderr
+    # every rank's baseline trace is kept in the run folder (only rank 0's was): `report --rank 1` shows it
+    assert (tmp_path / "b" / "trace.sqlite").exists() and (tmp_path / "b" / "trace.rank1.sqlite").exists()
+    r = subprocess.run([sys.executable, "-m", "ampdoctor", "report", str(tmp_path / "b"), "--rank", "1"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0 and "trace.rank1." in r.stdout and "Diagnosis" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.mark.cuda

@@ -409,14 +409,18 @@ def keep_baseline_trace(out_dir: Path, res: dict) -> Path | None:
     trace = Path(base["folder"]) / "trace.sqlite" if base is not None else None
     if trace is None or not trace.exists():
         return None
-    dest = Path(out_dir) / "trace.sqlite"
-    problem = trace_problem(dest)
-    if problem:  # README: a file there that is not an ampdoctor trace is never overwritten
-        raise ValueError(problem)
-    for suffix in ("-wal", "-shm"):  # an earlier trace's log must not be replayed into the copy
-        Path(f"{dest}{suffix}").unlink(missing_ok=True)
-    shutil.copy(trace, dest)
-    return dest
+    # with --nproc-per-node every rank's (``trace.rankN.sqlite``): `ampdoctor report DIR --rank N` shows it
+    traces = [trace, *sorted(trace.parent.glob("trace.rank*.sqlite"))]
+    dests = [Path(out_dir) / t.name for t in traces]
+    for dest in dests:
+        problem = trace_problem(dest)
+        if problem:  # README: a file there that is not an ampdoctor trace is never overwritten
+            raise ValueError(problem)
+    for src, dest in zip(traces, dests):
+        for suffix in ("-wal", "-shm"):  # an earlier trace's log must not be replayed into the copy
+            Path(f"{dest}{suffix}").unlink(missing_ok=True)
+        shutil.copy(src, dest)
+    return dests[0]
 
 
 def _clean(o: Any) -> Any:
