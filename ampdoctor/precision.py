@@ -68,6 +68,20 @@ __all__ = ["Fp32Handle", "Fp32Group", "keep_fp32", "force_fp32", "resolve_module
 logger = logging.getLogger(__name__)
 
 _LOW_PRECISION = {torch.float16, torch.bfloat16}
+_compiler = getattr(torch, "compiler", None)
+_is_compiling = getattr(_compiler, "is_compiling", None) or (lambda: False)
+
+
+def _run_eagerly(owner: Any, name: str, fn: Callable) -> Callable:
+    """``fn`` behind ``torch.compiler.disable``, made once per ``owner`` when dynamo first traces a hook
+    (dynamo is imported by then): the hooks keep per-call state (autocast contexts on a stack) that a
+    traced hook would guard on, so a compiled model recompiled at every step, then fell back to eager at
+    dynamo's recompile limit (an audit: 9 recompiles in 30 steps). Run eagerly, a kept module is a graph
+    break."""
+    got = owner.__dict__.get(name)
+    if got is None:
+        got = owner.__dict__[name] = _compiler.disable(fn)
+    return got
 
 
 class _Upcast:
@@ -343,6 +357,8 @@ class Fp32Handle:
         state = self.__dict__.copy()
         state.pop("_local", None)
         state.pop("_guard", None)
+        state.pop("_eager_pre", None)  # (bound to this handle: the copy makes its own)
+        state.pop("_eager_post", None)
         state["_module_ref"] = None
         return state
 
@@ -446,6 +462,16 @@ class Fp32Handle:
             ctx.__exit__(None, None, None)
 
     def _pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if _is_compiling():
+            return _run_eagerly(self, "_eager_pre", self._pre_call)(module, args, kwargs)
+        return self._pre_call(module, args, kwargs)
+
+    def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if _is_compiling():
+            return _run_eagerly(self, "_eager_post", self._post_call)(module, args, kwargs, output)
+        return self._post_call(module, args, kwargs, output)
+
+    def _pre_call(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._upcast_params(module)  # cheap no-op unless someone called .half() since
         devices = _enabled_autocast_devices()
         cast_back = None if devices else _first_low_precision_dtype((args, kwargs))
@@ -471,7 +497,7 @@ class Fp32Handle:
         _Fp32Region.enter()
         return new_args, new_kwargs
 
-    def _post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+    def _post_call(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
         stack = self._stack()
         if not stack:  # our pre-hook did not run for this call (an earlier global pre-hook raised)
             return None

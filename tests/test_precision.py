@@ -498,3 +498,27 @@ def test_keep_fp32_of_a_tied_embedding_and_of_both_ends():
         assert m.wte.weight.dtype == torch.float32 and m.lm_head.weight is m.wte.weight
         assert m(ids).dtype == torch.float16  # (no floating input: back to the parameters' dtype before)
     assert m.wte.weight.dtype == torch.float16
+
+
+def test_keep_fp32_under_torch_compile_does_not_recompile_every_step():
+    # the hooks' per-call state (autocast contexts on a stack) was traced and guarded on: a compiled model
+    # with a kept module recompiled at every step until dynamo's recompile limit (an audit: 9 in 30 steps)
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 1))
+    h = keep_fp32(model[2])
+    cm = torch.compile(model, backend="aot_eager")
+    frames = []
+    for _ in range(12):
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = cm(torch.randn(8, 16))
+        out.float().sum().backward()
+        frames.append(counters["frames"]["total"])
+    assert frames[5] == frames[-1], frames  # nothing compiled after the first steps
+    assert model[2].weight.dtype == torch.float32
+    h.remove()
+    torch._dynamo.reset()
