@@ -55,14 +55,18 @@ def reject_unknown_option(script: str) -> None:
     raise click.NoSuchOption(name, possibilities=difflib.get_close_matches(name, ours), ctx=ctx)
 
 
-def _why(path: Path, e: OSError) -> str:
-    """Why ``path`` cannot be made: the file in its way, or the system's reason."""
+def _in_the_way(path: Path) -> tuple[Path | None, Path | None]:
+    """(the nearest of ``path`` and its folders that exists, a file among them that is in the way)."""
     for parent in [path, *path.parents]:
         if parent.exists():
-            if not parent.is_dir():
-                return f"{parent} is a file, not a folder"
-            break
-    return e.strerror or str(e)
+            return parent, (None if parent.is_dir() else parent)
+    return None, None
+
+
+def _why(path: Path, e: OSError) -> str:
+    """Why ``path`` cannot be made: the file in its way, or the system's reason."""
+    blocker = _in_the_way(path)[1]
+    return f"{blocker} is a file, not a folder" if blocker is not None else (e.strerror or str(e))
 
 
 def output_problems(**paths: str | None) -> None:
@@ -75,13 +79,11 @@ def output_problems(**paths: str | None) -> None:
         flag = f"--{option} {path}"
         if p.is_dir():
             raise click.UsageError(f"{flag} is a folder: give a file name")
-        for parent in p.parents:
-            if parent.exists():
-                if not parent.is_dir():
-                    raise click.UsageError(f"{flag}: {parent} is a file, not a folder")
-                if not os.access(parent, os.W_OK | os.X_OK):
-                    raise click.UsageError(f"{flag}: cannot write into {parent}")
-                break
+        near, blocker = _in_the_way(p.parent)
+        if blocker is not None:
+            raise click.UsageError(f"{flag}: {blocker} is a file, not a folder")
+        if near is not None and not os.access(near, os.W_OK | os.X_OK):
+            raise click.UsageError(f"{flag}: cannot write into {near}")
 
 
 def out_problem(out_dir: Path, names: Sequence[str] = ("trace.sqlite",)) -> None:
@@ -93,8 +95,6 @@ def out_problem(out_dir: Path, names: Sequence[str] = ("trace.sqlite",)) -> None
         problem = trace_problem(out_dir / name)
         if problem:
             raise click.UsageError(f"{problem}: pick another --out or remove it")
-
-
 
 
 def claim_out(out_dir: Path, names: Sequence[str] = ("trace.sqlite",)) -> Callable[[], None]:

@@ -1200,6 +1200,16 @@ class Session:
             except Exception:  # pragma: no cover
                 pass
 
+    def write_out(self) -> None:
+        """Make everything recorded so far readable in the trace: the last recorded step, if its host copy
+        is still in flight (syncs with the device), then the writer's queue, committed (``w.report()``,
+        ``remove()`` of one of several watches). After :meth:`close` the trace is complete already."""
+        if self.closed:
+            return
+        self.sync()
+        self.writer.commit()
+        self.writer.flush()
+
     def on_hard_exit(self, code: Any) -> None:
         """``os._exit(code)`` in a script whose watch was never removed (see ``steps._exit_wrapper``)."""
         self.close("finished" if code == 0 else "exited", exit_code=code if isinstance(code, int) else None)

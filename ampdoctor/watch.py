@@ -282,6 +282,7 @@ class Watch:
         self._copies: dict[int, tuple] = {}  # id(gradient) -> its copy, this backward pass (see _grad_copy)
         self._copies_task = -2
         self._unarmed: list[tuple[list, Any]] = []  # hooks' traced calls not yet behind compiler.disable (see _eager)
+        self._root_pre: Any = None  # the root's pre-hook (see enter_call_late)
         root, notes = unwrap_model(model)
         self.root = root
         self.prefix = session.prefix_for(root)  # "" for the first model, ``Class:`` for another
@@ -368,7 +369,7 @@ class Watch:
         watch was made (``ampdoctor run``'s automatic watch, made in a global pre-hook of that call, after
         torch took the module's own pre-hooks): its post-hook then ends a call that it saw begin, not one
         begun before the step boundary. (That call's keyword inputs are not seen.)"""
-        pre = getattr(self, "_root_pre", None)
+        pre = self._root_pre
         if pre is not None and module is self.root and not self._removed:
             pre(module, args, {})
 
@@ -882,10 +883,7 @@ class Watch:
             self.session.settle_boundary()  # this watch's weights of the step that ended last
         self._detach_hooks()
         self.session.detach(self)
-        if not self.session.closed:  # other watches go on recording: what is recorded so far is readable now
-            self.session.sync()
-            self.session.writer.commit()
-            self.session.writer.flush()
+        self.session.write_out()  # (other watches go on recording: what is recorded so far is readable now)
 
     @property
     def trace_path(self):
@@ -894,10 +892,7 @@ class Watch:
     def report(self, **kwargs: Any):
         """The per-layer report of what was recorded so far (flushes the trace first)."""
         from .report import build_report
-        if not self.session.closed:
-            self.session.sync()  # the last recorded step, if its host copy is still in flight
-        self.session.writer.commit()
-        self.session.writer.flush()
+        self.session.write_out()
         return build_report(self.trace_path, **kwargs)
 
     def __enter__(self) -> Watch:

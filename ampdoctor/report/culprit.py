@@ -8,7 +8,7 @@ import math
 
 from ..naming import half_weights_under, is_torch_module, plain_fix, root_hint, wrapped_hint, wrapper_of
 from ..trace import TraceReader
-from .model import LayerRow, Report, startup_backoffs
+from .model import LayerRow, Report, grew_tenfold, startup_backoffs
 from .phrasing import fmt_num, module_expr
 
 __all__ = ["MATMUL_OPS", "culprits", "culprit_advice", "attention_advice", "recomputed_note"]
@@ -97,16 +97,10 @@ def _grew_first(report: Report) -> list[str]:
     before it, taken or skipped): a divergence ends in an overflow too, and FP32 does not fix it (an audit's
     learning rate of 0.5 got "keep model[2] in FP32"; bisect's all-FP32 control broke too)."""
     fn = report.diagnosis.first_nonfinite or {}
-    if fn.get("step") is None:
+    grew = grew_tenfold(report.timeline, fn["step"], peak=True) if fn.get("step") is not None else None
+    if grew is None:
         return []
-    before = [(t["step"], t["loss"]) for t in report.timeline if t["step"] < fn["step"] and t["loss"] is not None
-              and math.isfinite(t["loss"]) and t["loss"] > 0]
-    if len(before) < 3:
-        return []
-    low = min(before, key=lambda p: p[1])
-    high = max((p for p in before if p[0] > low[0]), key=lambda p: p[1], default=None)
-    if high is None or high[1] < 10 * low[1]:
-        return []
+    low, high = grew
     return [f"Before that, the loss grew from {fmt_num(low[1])} (step {low[0]}) to {fmt_num(high[1])} (step {high[0]}): "
             "a training that diverges (a learning rate too high, bad data) ends in an overflow like this one too, and "
             "FP32 does not fix it. `ampdoctor bisect` tells the two apart (if its all-FP32 control breaks as well, the "

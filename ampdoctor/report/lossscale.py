@@ -53,21 +53,27 @@ class LossScaleAnalysis:
         return self.k_rec is not None
 
 
+def _k_hi(fmt: Format, top: int, amax: float = 0.0) -> int:
+    """The largest log2(scale) with no overflow, for values whose highest binade is ``top`` and largest
+    value ``amax`` (0: not known)."""
+    if 0 < amax < math.inf:
+        # scaled by 2**k (exact) the largest value stays <= max, so no value overflows
+        k = math.floor(math.log2(fmt.max / amax))
+        while amax * 2.0 ** k > fmt.max:  # (log2's rounding)
+            k -= 1
+        while amax * 2.0 ** (k + 1) <= fmt.max:
+            k += 1
+        return k
+    # values in binade e are < 2**(e+1): scaled by 2**k they stay <= max while e+1+k <= log2(max)
+    return fmt.max_exp - top - 1
+
+
 def _k_range(hist: dict[int, int], fmt: Format, max_underflow_pct: float, amax: float = 0.0) -> tuple[int, int, int]:
     """(k_lo, k_hi, top exponent) of one exponent histogram whose largest value is ``amax`` (0: not known)."""
     es = sorted(hist)
     total = sum(hist.values())
     top = es[-1]
-    if 0 < amax < math.inf:
-        # scaled by 2**k (exact) the largest value stays <= max, so no value overflows
-        k_hi = math.floor(math.log2(fmt.max / amax))
-        while amax * 2.0 ** k_hi > fmt.max:  # (log2's rounding)
-            k_hi -= 1
-        while amax * 2.0 ** (k_hi + 1) <= fmt.max:
-            k_hi += 1
-    else:
-        # values in binade e are < 2**(e+1): scaled by 2**k they stay <= max while e+1+k <= log2(max)
-        k_hi = fmt.max_exp - top - 1
+    k_hi = _k_hi(fmt, top, amax)
     # values in binade e stay normal when e+k >= normal_exp; find the least k with few below
     allowed = total * max_underflow_pct / 100.0
     below = 0
@@ -95,9 +101,9 @@ def loss_scale_analysis(report: Report, *, max_underflow_pct: float = MAX_UNDERF
     normal_binades = fmt.max_exp - fmt.normal_exp  # binades between the smallest normal and max/2
     spans, wide = {}, []
     for name, h in per_layer.items():
-        lo, hi, _ = _k_range(h, fmt, max_underflow_pct)  # (by binades: the span counts whole binades)
+        lo, hi, top_h = _k_range(h, fmt, max_underflow_pct)  # (by binades: the span counts whole binades)
         spans[name] = normal_binades - (hi - lo)  # binades the layer needs (1st percentile .. max)
-        if _k_range(h, fmt, max_underflow_pct, amax.get(name, 0.0))[1] < lo:
+        if _k_hi(fmt, top_h, amax.get(name, 0.0)) < lo:
             wide.append(name)
     k_rec = None
     under = None

@@ -275,20 +275,34 @@ def loss_growth(timeline: list[dict], decision: Any) -> tuple[tuple[int, float],
     end = decision.step
     if decision.reason in _SCALER_SYMPTOMS:
         end = next((t["step"] for t in timeline if t["loss"] is not None and not math.isfinite(t["loss"])), None)
+    return grew_tenfold(timeline, end)
+
+
+def grew_tenfold(timeline: list[dict], end: int | None, *, peak: bool = False) -> tuple[tuple[int, float], tuple[int, float]] | None:
+    """``((step, lowest loss), (step, a later loss))`` of the finite losses before step ``end`` (None: all),
+    when that later loss is ten times the lowest or more: the last one, or with ``peak`` the highest after
+    the lowest. None with fewer than three finite losses."""
     finite = [(t["step"], t["loss"]) for t in timeline if t["loss"] is not None and math.isfinite(t["loss"])
               and (end is None or t["step"] < end)]
     if len(finite) < 3:
         return None
-    low, last = min(finite, key=lambda p: p[1]), finite[-1]
-    return (low, last) if low[1] > 0 and last[1] > 10 * low[1] and last[0] > low[0] else None
+    low = min(finite, key=lambda p: p[1])
+    high = max((p for p in finite if p[0] > low[0]), key=lambda p: p[1], default=None) if peak else finite[-1]
+    return (low, high) if high is not None and low[1] > 0 and high[1] > 10 * low[1] and high[0] > low[0] else None
 
 
-def _trained_nothing(timeline: list[dict], meta: dict, rows: list[LayerRow]) -> bool:
-    """No optimizer step, no GradScaler step and no gradient recorded: forward passes only."""
+def _optimizer_steps(timeline: list[dict], meta: dict) -> int:
+    """The run's optimizer steps: the session writes them into the meta when it closes; before that (a live
+    report, a killed run) the last step's count in the timeline is the number so far."""
     steps = meta.get("optimizer_steps")
     if steps is None:
         steps = max((t.get("optimizer_steps") or 0 for t in timeline), default=0)
-    return (not int(steps or 0) and not any(t.get("scale") is not None for t in timeline)
+    return int(steps or 0)
+
+
+def _trained_nothing(timeline: list[dict], optimizer_steps: int, rows: list[LayerRow]) -> bool:
+    """No optimizer step, no GradScaler step and no gradient recorded: forward passes only."""
+    return (not optimizer_steps and not any(t.get("scale") is not None for t in timeline)
             and not any(r.kind in ("gradient", "weight_grad") for r in rows))
 
 
@@ -369,7 +383,7 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
         lines.append(f"Training did not break in the {plural(len(timeline), 'step')} seen, but took no optimizer step: the "
                      "GradScaler skipped every one. Run more steps to tell start-up backoffs, which end once the "
                      "scale fits the gradients, from a failure.")
-    elif rows is not None and timeline and _trained_nothing(timeline, meta, rows):
+    elif rows is not None and timeline and _trained_nothing(timeline, _optimizer_steps(timeline, meta), rows):
         lines.append(f"Nothing trained in the {plural(len(timeline), 'step')} seen: no backward pass, no optimizer.step() "
                      "and no GradScaler.update() ran (evaluation only?), so this shows forward outputs and weights "
                      "only. Watch the training loop to check its gradients and updates.")
@@ -432,15 +446,10 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
             lines.append("The run is still in progress: this shows the steps recorded so far.")
         else:
             lines.append("The run did not finish (killed?): this shows every step committed before it stopped.")
-    # the session writes optimizer_steps into the meta when it closes; before that (a live report, a
-    # killed run) the last step's count in the timeline is the number so far
-    optimizer_steps = meta.get("optimizer_steps")
-    if optimizer_steps is None:
-        optimizer_steps = max((t.get("optimizer_steps") or 0 for t in timeline), default=0)
     return Diagnosis(
         broke=decision is not None, step=None if decision is None else decision.step,
         reason=None if decision is None else decision.reason, first_nonfinite=fn, lines=lines,
-        steps_seen=len(timeline), optimizer_steps=int(optimizer_steps or 0), skipped_steps=skipped,
+        steps_seen=len(timeline), optimizer_steps=_optimizer_steps(timeline, meta), skipped_steps=skipped,
         first_loss_nonfinite=first_loss_bad)
 
 

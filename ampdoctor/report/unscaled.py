@@ -136,11 +136,10 @@ class _Unscaled:
             key = (int(kinds[i]), int(steps[i]), int(rowids[i]))
             if key < self.first[nid[i]]:
                 self.first[nid[i]] = key
-        top = absmax * np.exp2(-shifts.astype(np.float64))  # (a power of two: exact)
-        for n in np.unique(nid).tolist():
-            m = float(np.nanmax(top[nid == n], initial=0.0))
-            if m > self.amax[n]:
-                self.amax[n] = m
+        top = np.zeros(len(self.amax))  # the largest unscaled abs-max of each layer in these rows
+        np.maximum.at(top, nid, np.nan_to_num(absmax * np.exp2(-shifts.astype(np.float64)), nan=0.0))  # (exact)
+        for n in np.flatnonzero(top > np.asarray(self.amax)).tolist():
+            self.amax[n] = float(top[n])
         # exponent bins: summed per (layer, shift) (one row of the same layer and shift is like another)
         pair, inverse = np.unique(np.stack([nid, shifts], axis=1), axis=0, return_inverse=True)
         sums = np.zeros((len(pair), fmt.n_bins - 2), dtype=np.int64)
