@@ -400,6 +400,7 @@ def _run_torchrun(script, args, cfg, out_dir: Path, nproc: int, table, json_path
 def report(path, json_path, html_path, csv_path, rank, sort, top, only_bad, match, kinds):
     """Print (and write) the report of a trace file or run folder. Needs only the trace."""
     from .report import build_report
+    from .report.model import NoSuchRank
 
     output_problems(json=json_path, html=html_path, csv=csv_path)
     log = logging.getLogger("ampdoctor.report")
@@ -408,6 +409,8 @@ def report(path, json_path, html_path, csv_path, rank, sort, top, only_bad, matc
         rep = build_report(path, rank=rank)
     except FileNotFoundError as e:
         raise click.ClickException(str(e) + _trials_hint(Path(path), str(e))) from None
+    except NoSuchRank as e:
+        raise click.BadParameter(str(e), param_hint="--rank") from None
     except ValueError as e:
         raise click.ClickException(str(e)) from None
     log.info("ampdoctor: trace %s: %d steps in the timeline, %d layer rows, %d events, %d notes%s", rep.trace,

@@ -5,7 +5,8 @@ measured against a format, so an FP32 run can be checked for "would this overflo
 
 Definitions used everywhere (and in the README):
 
-* ``overflow``: finite values with ``|x| > max`` (they become Inf when cast);
+* ``overflow``: finite values with ``|x| > max`` (cast, they become Inf from the max plus half a step
+  up, e.g. 65520 for fp16, and round to the max below that; e4m3fn has no Inf: this torch saturates);
 * ``subnormal``: ``smallest_subnormal <= |x| < smallest_normal`` (kept, but with fewer
   significant bits; zero on flush-to-zero hardware);
 * ``flush_to_zero``: ``0 < |x| < smallest_subnormal`` (lost, or rounded to the smallest

@@ -969,6 +969,8 @@ class Session:
             if loss is not None and not math.isfinite(loss) and self._detail_left == 0 and self.config.every > 1:
                 self._detail_left = DETAIL_AFTER_ANOMALY
                 if not self._mid_step:  # the next step is recorded (mid-step: from the next boundary on)
+                    # it is the first of the three (_reset_step decided it before the loss was read)
+                    self._detail_left -= 1
                     self.recording = True
                     # and attributed (_reset_step decided that for a step that was not to be recorded)
                     self.attributing = not self.attribution.done(self._scaled_loss_active)

@@ -214,7 +214,7 @@ def test_report_rank_of_a_trace_file_and_of_a_folder_of_named_traces(tmp_path):
     assert _steps(cli("report", run / "run.rank1.sqlite", "--rank", "0", "--json", js), js) == ("run.sqlite", 3)
     assert _steps(cli("report", run / "run.rank1.sqlite", "--json", js), js) == ("run.rank1.sqlite", 5)  # the file given
     r = cli("report", run / "run.sqlite", "--rank", "2")
-    assert r.exit_code == 1 and "no trace of rank 2 beside" in r.output and "run.rank1.sqlite" in r.output, r.output
+    assert r.exit_code == 2 and "no trace of rank 2 beside" in r.output and "run.rank1.sqlite" in r.output, r.output
     assert sorted(os.listdir(run)) == ["run.rank1.sqlite", "run.sqlite"]  # nothing left beside them
 
 

@@ -308,3 +308,28 @@ def test_a_one_step_healthy_run_says_step_not_steps(tmp_path):
         opt.step()
     lines = build_report(path).diagnosis.lines
     assert "Training did not break in the 1 step seen." in lines, lines
+
+
+def test_fp32_gradients_exactly_zero_are_not_called_an_fp16_underflow(tmp_path):
+    """An FP32 run (measured against fp16) whose loss does not depend on the output: every gradient is
+    exactly 0 in float32. Nothing underflowed and no loss scale lifts a 0; the advice said the fp16
+    gradients underflowed and asked for a scale of at least 2**11."""
+    import torch
+
+    import ampdoctor
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with ampdoctor.watch(m, format="fp16", trace=str(tmp_path / "t.sqlite")) as w:
+        for _ in range(3):
+            loss = 0.0 * m(torch.randn(2, 4)).sum() + 1.0
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        advice = w.report().advice
+    line = next((a for a in advice if "was exactly 0" in a), None)
+    assert line is not None, advice
+    assert line.startswith("Every activation gradient (1, 0) was exactly 0 in float32 in all 3 recorded steps")
+    assert "nothing underflowed" in line and "No loss scale changes that" in line
+    assert not any("underflow to zero" in a or "2**11" in a for a in advice), advice

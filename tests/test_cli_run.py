@@ -263,7 +263,7 @@ def test_report_rank_is_the_rank_not_the_nth_file_and_top_must_be_positive(tmp_p
     (out / "trace.sqlite").rename(out / "trace.rank2.sqlite")
     (out / "trace.rank0.sqlite").write_bytes((out / "trace.rank2.sqlite").read_bytes())
     r = amp("report", out, "--rank", "1")
-    assert r.returncode != 0 and "no trace of rank 1" in r.stderr and "0, 2" in r.stderr and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "no trace of rank 1" in r.stderr and "0, 2" in r.stderr and "Traceback" not in r.stderr
     r = amp("report", out, "--rank", "2")
     assert r.returncode == 0 and "trace.rank2.sqlite" in r.stdout, r.stderr
     for top in ("-1", "0"):  # rows[:-1] silently dropped the last row of each table

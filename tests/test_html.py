@@ -143,3 +143,52 @@ def test_cli_report_writes_html_and_csv(run_dir, tmp_path):
     assert res.exit_code == 0, res.output
     assert html_path.read_text(encoding="utf-8").startswith("<!DOCTYPE html>")
     assert csv_path.read_text(encoding="utf-8").startswith("kind,layer,")
+
+
+def test_min_and_max_per_layer_match_numpy_in_json_csv_and_html(tmp_path):
+    """The report's rows carry each layer's smallest and largest finite value over the recorded steps
+    (the trace had them; the report showed only abs-max). NaN/Inf left out, a layer with no finite
+    value has none (null / empty / -)."""
+    import numpy as np
+    import torch
+    from torch import nn
+
+    import ampdoctor
+
+    class Planted(nn.Module):
+        def forward(self, x):  # NaN and Inf planted where no gradient flows back
+            col = torch.arange(4)
+            return torch.where(col == 1, float("nan"), torch.where(col == 2, float("inf"), x))
+
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    model = nn.Sequential(lin, Planted())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    seen: dict[str, list[np.ndarray]] = {"0": [], "1": []}
+    hooks = [m.register_forward_hook(lambda m, i, o, k=k: seen[k].append(o.detach().numpy().copy()))
+             for k, m in (("0", lin), ("1", model[1]))]
+    with ampdoctor.watch(model, format="fp16", trace=str(tmp_path / "t.sqlite")) as w:
+        for i in range(3):
+            model(torch.randn(5, 4) * 10 ** i).nan_to_num(0.0, 0.0, 0.0).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        rep = w.report()
+    for h in hooks:
+        h.remove()
+    js = json.loads(rep.to_json())
+    for name, outs in seen.items():
+        a = np.concatenate([o.ravel() for o in outs])
+        fin = a[np.isfinite(a)]
+        row = next(r for r in js["layers"] if r["layer"] == name and r["kind"] == "activation")
+        assert (row["min"], row["max"]) == (float(fin.min()), float(fin.max())), (name, row)
+    weight = next(r for r in rep.layers if r.layer == "0" and r.kind == "weight")
+    wv = lin.weight.detach().numpy()
+    assert weight.min <= float(wv.min()) and weight.max >= float(wv.max())  # (the bias is in the row too)
+    out = tmp_path / "t.csv"
+    write_csv(rep, out)
+    with open(out, newline="", encoding="utf-8") as f:
+        rows = {(r["layer"], r["kind"]): r for r in csv.DictReader(f)}
+    assert float(rows[("1", "activation")]["max"]) == next(
+        r.max for r in rep.layers if r.layer == "1" and r.kind == "activation")
+    html = render_html(rep)
+    assert "<th>min</th><th>max</th><th>abs-max</th>" in html

@@ -686,6 +686,25 @@ def test_detail_step_after_a_nonfinite_loss_is_attributed(tmp_path):
     assert ev and ev[0]["step"] == 6 and ev[0]["layer"] == "1", ev
 
 
+@pytest.mark.parametrize("every,bad,extra", [(5, 7, [11, 12, 13]), (3, 9, [10, 11]), (10, 3, [11, 12, 13])])
+def test_three_steps_in_full_after_a_nonfinite_loss(tmp_path, every, bad, extra):
+    """README --every: the next 3 steps after the boundary that reads a non-finite loss are recorded in
+    full (a regular step among them counts as one of the three). There were four: the step forced on
+    when the loss was read was not counted."""
+    m = nn.Linear(4, 4)
+    opt = torch.optim.SGD(m.parameters(), lr=0.0)
+    path = tmp_path / "t.sqlite"
+    with ampdoctor.watch(m, format="fp16", every=every, trace=str(path)):
+        for s in range(25):
+            loss = m(torch.ones(4)).sum() + torch.tensor(math.nan if s == bad else 0.0)  # NaN in the value only
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    with TraceReader(path) as r:
+        got = sorted({x["step"] for x in r.stats()})
+    assert [s for s in got if s % every] == extra, got
+
+
 def test_evaluation_forwards_are_not_recorded_into_training_steps(tmp_path):
     """Once training has started, a call of the model with gradients disabled (validation under
     torch.no_grad()) is evaluation: not recorded, so the training step's rows keep the training

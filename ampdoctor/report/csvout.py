@@ -2,7 +2,7 @@
 
 Numbers are written unrounded (``repr`` of floats; ``inf``/``-inf`` for infinite headroom) so a
 spreadsheet or pandas can sort and filter them; ``first_bad_step`` is empty when the layer never
-went bad.
+went bad, ``min``/``max`` (the smallest and largest finite value) when no value was finite.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from .model import Report
 __all__ = ["CSV_COLUMNS", "render_csv", "write_csv"]
 
 CSV_COLUMNS = (
-    "kind", "layer", "type", "order", "dtype", "absmax", "headroom_bits", "overflow_pct", "subnormal_pct", "flush_pct",
+    "kind", "layer", "type", "order", "dtype", "min", "max", "absmax", "headroom_bits", "overflow_pct", "subnormal_pct", "flush_pct",
     "nan", "inf", "first_bad_step", "numel", "overflow", "subnormal", "flush_to_zero", "calls", "bytes", "steps",
 )
 KIND_ORDER = ("activation", "gradient", "weight", "weight_grad")

@@ -30,7 +30,7 @@ __all__ = ["render_html", "write_html", "SECTION_IDS"]
 
 SECTION_IDS = ("diagnosis", "verdict", "fix", "advice", "plots", "layers", "notes")
 KINDS = ("activation", "gradient", "weight", "weight_grad")
-COLUMNS = ("layer", "type", "dtype", "abs-max", "headroom bits", "overflow %", "subnormal %", "flush %", "NaN", "Inf",
+COLUMNS = ("layer", "type", "dtype", "min", "max", "abs-max", "headroom bits", "overflow %", "subnormal %", "flush %", "NaN", "Inf",
            "first bad step")
 
 _CODE = re.compile(r"`([^`]+)`")
@@ -78,6 +78,11 @@ rs.forEach(function(r){b.appendChild(r);});});});});
 
 def _e(v: object) -> str:
     return escape(str(v), quote=True)
+
+
+def _maybe(x: float | None) -> str:
+    """A number, or ``-`` for none (min/max of a layer that had no finite value)."""
+    return "-" if x is None else _num(x)
 
 
 def _v(x: float | int | None) -> str:
@@ -250,6 +255,7 @@ def _table(rows: Sequence[LayerRow], first: dict) -> str:
         cells = [
             f'<td class="l name" title="{_e(r.layer)}">{_e(r.layer + calls)}{mark}</td>',
             f'<td class="l">{_e(r.type)}</td>', f'<td class="l">{_e(r.dtype)}</td>',
+            f'<td data-v="{_v(r.min)}">{_maybe(r.min)}</td>', f'<td data-v="{_v(r.max)}">{_maybe(r.max)}</td>',
             f'<td data-v="{_v(r.absmax)}">{_num(r.absmax)}</td>',
             f'<td data-v="{_v(r.headroom_bits)}">{_bits(r.headroom_bits)}</td>',
             f'<td data-v="{_v(r.overflow_pct)}">{_pct(r.overflow_pct)}</td>',

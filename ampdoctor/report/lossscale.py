@@ -17,7 +17,7 @@ from ..formats import Format
 from ..naming import root_hint, wrapper_of
 from .model import Report
 from .phrasing import fmt_num, module_expr, plural, pow2, scale_literal
-from .unscaled import grad_layers, unscaled_hists
+from .unscaled import HIGH_PRECISION, grad_layers, unscaled_hists
 
 __all__ = ["MAX_UNDERFLOW_PCT", "LossScaleRange", "LossScaleAnalysis", "loss_scale_range", "loss_scale_analysis",
            "loss_scale_advice", "zero_gradient_advice"]
@@ -185,8 +185,15 @@ def zero_gradient_advice(report: Report, ls: LossScaleAnalysis | None) -> list[s
         f" and {len(zero) - 4} more" if len(zero) > 4 else "")
     k = fmt.normal_exp - (fmt.min_exp - 1)
     n = max(r.steps for r in zero)
+    steps = 'the one recorded step' if n == 1 else f'all {n} recorded steps'
+    if all(r.dtype in HIGH_PRECISION for r in zero):  # zeros in FP32: nothing underflowed, no scale lifts them
+        dtypes = "/".join(sorted({r.dtype for r in zero}))
+        return [f"Every activation gradient ({names}) was exactly 0 in {dtypes} in {steps} while the loss was "
+                f"finite (last {fmt_num(losses[-1])}): nothing underflowed, the loss does not depend on the model's "
+                "output (a loss multiplied by 0, an output detached or replaced by a constant?), so nothing trains. "
+                "No loss scale changes that."]
     return [f"Every {fmt.name} activation gradient ({names}) was exactly 0 in "
-            f"{'the one recorded step' if n == 1 else f'all {n} recorded steps'} while the loss was finite "
+            f"{steps} while the loss was finite "
             f"(last {fmt_num(losses[-1])}): the gradients underflow to zero in "
             f"{fmt.name} before any layer sees them, so nothing trains. Values below 2**{fmt.min_exp - 1} round to 0, "
             f"so a loss scale of at least {pow2(k)} is needed to lift them into the normal range: use "

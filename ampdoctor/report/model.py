@@ -48,6 +48,8 @@ class LayerRow:
     bytes: int
     steps: int
     hist: list[int] = field(default_factory=list)
+    min: float | None = None  # the smallest and largest finite value over all recorded steps (None: none finite)
+    max: float | None = None
 
     @property
     def bad(self) -> bool:
@@ -166,6 +168,8 @@ def _aggregate(reader: TraceReader, fmt: Format, layers: dict[int, dict]) -> lis
         a = {k: sum(p[k] for p in parts) for k in ("rows", "numel", "overflow", "subnormal", "flush_to_zero", "nan",
                                                    "posinf", "neginf", "bytes")}
         absmax = max(0.0, *(p["absmax"] for p in parts))
+        lows = [p["min"] for p in parts if p.get("min") is not None]
+        highs = [p["max"] for p in parts if p.get("max") is not None]
         bads = [p["first_bad"] for p in parts if p["first_bad"] is not None]
         first_step = min(p["first_step"] for p in parts)
         steps = parts[0]["steps"] if len(parts) == 1 else reader.step_count(lid, kind)
@@ -193,7 +197,8 @@ def _aggregate(reader: TraceReader, fmt: Format, layers: dict[int, dict]) -> lis
             subnormal=a["subnormal"], flush_to_zero=a["flush_to_zero"], nan=a["nan"], inf=inf,
             overflow_pct=100.0 * a["overflow"] / n, subnormal_pct=100.0 * a["subnormal"] / n,
             flush_pct=100.0 * a["flush_to_zero"] / n, first_bad_step=min(bads) if bads else None, calls=calls,
-            bytes=nbytes, steps=steps, hist=(hist if hist is not None else np.zeros(fmt.n_bins, np.int64)).tolist()))
+            bytes=nbytes, steps=steps, hist=(hist if hist is not None else np.zeros(fmt.n_bins, np.int64)).tolist(),
+            min=min(lows) if lows else None, max=max(highs) if highs else None))
         firsts.append((lid, kind, first_step))
     # rows that sort equal keep the order in which their layer and kind first came (by step, then row)
     where = {(r.order, r.kind): 0 for r in rows}
@@ -525,6 +530,10 @@ def _other_ranks(files: list[Path], shown: Path) -> list[str]:
     return notes
 
 
+class NoSuchRank(ValueError):
+    """``build_report(rank=N)`` on a run whose traces hold no rank N (a usage error for the CLI)."""
+
+
 def build_report(path: str | Path, *, rank: int | None = None) -> Report:
     """Read a trace file (or a run folder's rank-``rank`` trace) into a :class:`Report`. ``rank``: of a
     run folder, that rank's trace (None: rank 0, else the lowest there); of a trace file, the trace of
@@ -548,11 +557,11 @@ def build_report(path: str | Path, *, rank: int | None = None) -> Report:
         if (0 if rank is None else rank) in ranks:
             trace = ranks[0 if rank is None else rank]
         elif rank is not None:  # (no rank asked for: the lowest rank there)
-            raise ValueError(f"no trace of rank {rank} in {path}; ranks there: {', '.join(map(str, sorted(ranks)))}")
+            raise NoSuchRank(f"no trace of rank {rank} in {path}; ranks there: {', '.join(map(str, sorted(ranks)))}")
     elif rank is not None:  # a trace file: that rank's trace of the same run, beside it
         ranks = rank_siblings(trace)
         if rank not in ranks:
-            raise ValueError(f"no trace of rank {rank} beside {path} (its run's traces there: "
+            raise NoSuchRank(f"no trace of rank {rank} beside {path} (its run's traces there: "
                              f"{', '.join(f'rank {r} {f.name}' for r, f in ranks.items())})")
         trace, files = ranks[rank], list(ranks.values())
     with TraceReader(trace) as reader, reader.snapshot():
