@@ -8,6 +8,7 @@ import sys
 import warnings
 from typing import Any
 
+import torch.optim.optimizer as _optim_mod
 from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
@@ -40,10 +41,21 @@ class AutoWatch:
         self._known: set[int] = set()
         self._roots: list[Any] = []
         self._handle = register_module_forward_pre_hook(self._pre)
+        # an optimizer.step(closure) in progress (LBFGS) when the model's first call, inside the closure,
+        # starts the watch: the session's own step hooks came too late to see it begin
+        self._closure_step = False
+        self._opt_handles = [_optim_mod.register_optimizer_step_pre_hook(self._opt_pre),
+                             _optim_mod.register_optimizer_step_post_hook(self._opt_post)]
         # torch warns at every call of a torch.compile'd module while a global module hook exists: that
         # hook is this one (it sees the wrapper and the model it wraps, and watches the model once)
         warnings.filterwarnings("ignore", message=_COMPILE_WARNING, category=UserWarning)
         self._filter = warnings.filters[0]
+
+    def _opt_pre(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        self._closure_step = callable(args[1] if len(args) > 1 else kwargs.get("closure"))
+
+    def _opt_post(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        self._closure_step = False
 
     def _pre(self, module: nn.Module, args: Any) -> Any:
         if id(module) in self._known or self.session.closed:
@@ -73,6 +85,8 @@ class AutoWatch:
         self._known.add(id(module))
         log.info("ampdoctor: watching %s automatically%s", type(root).__name__, f" as {prefix}" if prefix else "")
         w.enter_call_late(module, args)  # this first call is past the root's own pre-hooks
+        if self._closure_step:
+            self.session.closure_step_began()
         if w._fp32 is not None and module is root:
             # this first call is past the root's own pre-hooks: force it by hand (pure .half() models
             # need their inputs cast to float32 right now, since the parameters already are)
@@ -83,6 +97,9 @@ class AutoWatch:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+        for h in self._opt_handles:
+            h.remove()
+        self._opt_handles = []
         if self._filter is not None:
             try:
                 warnings.filters.remove(self._filter)

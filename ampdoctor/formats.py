@@ -126,4 +126,7 @@ def detect_format(module: torch.nn.Module, default: bool = True) -> tuple[str, s
         return ("fp16" if p.dtype == torch.float16 else "bf16"), f"{str(p.dtype).replace('torch.', '')} parameters"
     if not default:
         return None
-    return "fp16", "no autocast and no fp16/bf16 parameters: the FP16 readiness check"
+    return "fp16", READINESS_WHY
+
+
+READINESS_WHY = "no autocast and no fp16/bf16 parameters: the FP16 readiness check"

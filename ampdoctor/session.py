@@ -30,7 +30,7 @@ from . import rank_boot
 from . import stats as _stats
 from .attribution import Attribution, bad_rows
 from .config import RunConfig
-from .formats import AUTO, Format, detect_format, get_format
+from .formats import AUTO, READINESS_WHY, Format, detect_format, get_format
 from .hostcopy import HostCopy as _HostCopy
 from .rows import RowPolicy, StepRows
 from .steps import StepTracker
@@ -134,6 +134,10 @@ class Session:
         self.config = config or RunConfig()
         # "auto": fp16 until the first watched forward decides it (resolve_format), before anything is measured
         self._fmt_auto = str(self.config.format).lower() == AUTO
+        self._fmt_provisional = False  # the format was decided in a no-grad call not yet known to be training
+        # fp16 for want of autocast or half parameters in the first forward: a later forward of step 0 that
+        # shows one before any backward (a shape check's forward came first) still decides (recheck_format)
+        self.fmt_defaulted = False
         self.fmt: Format = get_format("fp16" if self._fmt_auto else self.config.format)
         if self.config.every < 1:
             raise ValueError(f"every must be >= 1, got {self.config.every}")
@@ -168,6 +172,7 @@ class Session:
                                   reference_losses=self.config.reference_losses)
         self.decision: Any = None
         self._detail_left = 0
+        self._closure_losses_from: int | None = None  # len(self._losses) when an optimizer.step(closure) began
         self.attribution = Attribution(self.layers, self.writer)
         self._pending_scalars: list[tuple[int, dict]] = []
         self._param_rows: dict[str, tuple] = {}  # kind -> (signature, row descriptions, kept entries, plan memo)
@@ -323,7 +328,9 @@ class Session:
         if got is None:
             return
         self._fmt_auto = False
+        self._fmt_provisional = self._provisional  # decided in a call that may turn out to be evaluation
         name, why = got
+        self.fmt_defaulted = why == READINESS_WHY
         if name != self.fmt.name:
             fmt = get_format(name)
             if self.step or (self._rows.n_slots and not self._rows.remeasure(fmt)):
@@ -335,6 +342,37 @@ class Session:
         self.writer.set_meta(format=self.fmt.name, format_detected=why)
         self.writer.commit()
 
+    def rows_mark(self) -> tuple:
+        """Where this step's rows, flags and call counts are now (see :meth:`drop_rows_since`)."""
+        return self._rows, len(self._rows.meta), len(self._flags), dict(self._calls)
+
+    def drop_rows_since(self, mark: tuple) -> None:
+        """An outermost watched call that raised: the rows and flags made since ``mark`` go, and the
+        call counts are as they were (its slots stay measured, unused). Nothing, if the step's rows
+        changed meanwhile (a boundary inside the call)."""
+        rows, n_rows, n_flags, calls = mark
+        if rows is not self._rows or len(rows.meta) < n_rows or len(self._flags) < n_flags:
+            return
+        del rows.meta[n_rows:]
+        del rows.slots[n_rows:]
+        del self._flags[n_flags:]
+        del self._flag_meta[n_flags:]
+        self._calls.clear()
+        self._calls.update(calls)
+
+    def recheck_format(self, root: Any) -> None:
+        """An outermost call of step 0, before any backward pass, after the first forward left the format
+        at fp16 for want of autocast: one that shows autocast (or half parameters) decides it now, the
+        rows so far measured again (a model summary's or shape check's forward came first)."""
+        try:
+            got = detect_format(root, default=False)
+        except Exception:  # pragma: no cover - never break the user's forward
+            got = None
+        if got is not None:
+            self.fmt_defaulted = False
+            self._fmt_auto = True
+            self.resolve_format(root, final=False)
+
     def outermost_call(self, grad: bool) -> None:
         """An outermost watched module call starts, before any backward pass has run. Calls with gradients
         disabled are recorded provisionally: evaluation before training (Lightning's sanity-check
@@ -344,6 +382,8 @@ class Session:
         if grad:
             if self._provisional:
                 self._drop_provisional()
+                if self._fmt_provisional and not self.step:  # a summary's no-grad forward did not decide it
+                    self._fmt_auto = True
             self._grad_call = True
         elif not self._grad_call:
             self._provisional = True
@@ -610,7 +650,23 @@ class Session:
         for w in self.watches:
             w.arm()
 
+    def on_optimizer_step_begin(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        """``optimizer.step(closure)`` (LBFGS, and any optimizer given one) calls the closure, forward
+        and backward, as often as it needs: the step's loss is the first call's (what ``step()``
+        returns), not the sum of them all (:meth:`on_optimizer_step` drops the later ones)."""
+        closure = args[1] if len(args) > 1 else kwargs.get("closure")  # (args: the optimizer, then step's own)
+        self._closure_losses_from = None
+        if callable(closure):
+            self.closure_step_began()
+
+    def closure_step_began(self) -> None:
+        """An ``optimizer.step(closure)`` is in progress from here (see :meth:`on_optimizer_step_begin`)."""
+        self._closure_losses_from = len(self._losses)
+
     def on_optimizer_step(self, optimizer: Any) -> None:
+        start, self._closure_losses_from = self._closure_losses_from, None
+        if start is not None and len(self._losses) > start + 1:
+            del self._losses[start + 1:]
         self.optimizer_steps += 1
         if not self._no_grad_step_said and _stepped_without_grads(optimizer):
             self._no_grad_step_said = True

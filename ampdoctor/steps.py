@@ -118,6 +118,7 @@ class StepTracker:
         self._sink = sink
         self._saved: list[tuple[Any, str, Any, bool]] = []  # (owner, attr, original, was_own)
         self._opt_handle = None
+        self._opt_pre_handle = None
         self._inside: set[tuple[int, str]] = set()  # (id(scaler), method) of wrapped calls in progress
         self.installed = False
 
@@ -139,6 +140,8 @@ class StepTracker:
             self._wrap_scaler(cls)
         for root in _scaler_roots():  # and those defined (or imported) from now on, as they are created
             self._patch(root, "__init_subclass__", self._on_subclass(root))
+        self._opt_pre_handle = _optim_mod.register_optimizer_step_pre_hook(
+            lambda opt, args, kwargs: sink.on_optimizer_step_begin(opt, args, kwargs))
         self._opt_handle = _optim_mod.register_optimizer_step_post_hook(
             lambda opt, args, kwargs: sink.on_optimizer_step(opt))
         if not getattr(sink, "owned", True):  # (the CLI's runner ends its own session at os._exit)
@@ -157,6 +160,9 @@ class StepTracker:
         if self._opt_handle is not None:
             self._opt_handle.remove()
             self._opt_handle = None
+        if self._opt_pre_handle is not None:
+            self._opt_pre_handle.remove()
+            self._opt_pre_handle = None
         self.installed = False
 
     def _patch(self, owner: Any, attr: str, new: Any) -> None:

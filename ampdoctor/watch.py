@@ -62,6 +62,7 @@ _is_compiling = getattr(_compiler, "is_compiling", None) or (lambda: False)
 _inference_mode = torch.is_inference_mode_enabled
 _exc_info = sys.exc_info
 _grad_enabled = torch.is_grad_enabled
+_functorch_level = getattr(getattr(torch._C, "_functorch", None), "peek_interpreter_stack", lambda: None)
 _weakref = weakref.ref
 _Tensor = torch.Tensor
 _strided = torch.strided
@@ -74,6 +75,9 @@ def _in_backward() -> bool:
 _NO_GRAD_NOTE = ("ran with gradients disabled during training (torch.no_grad() inside the model's forward, or "
                  "checkpoint(..., use_reentrant=True)): its outputs are recorded, with no gradient rows "
                  "(use_reentrant=False records the gradients of checkpointed layers)")
+_FUNCTORCH_NOTE = ("calls of the model inside a torch.func transform (vmap, grad, jacrev: per-sample gradients) "
+                   "are not recorded: their tensors are functorch wrappers, one per transform level. The weight "
+                   "gradients assigned to .grad from them are read where the step ends")
 _SPANNED_NOTE = ("returns after the optimizer step that ends the training step it began in (its forward runs "
                  "the whole step): its outputs are not recorded; its layers' rows are")
 _SCALARS = (str, bytes, int, float, bool)
@@ -283,6 +287,7 @@ class Watch:
         self._copies_task = -2
         self._unarmed: list[tuple[list, Any]] = []  # hooks' traced calls not yet behind compiler.disable (see _eager)
         self._root_pre: Any = None  # the root's pre-hook (see enter_call_late)
+        self._call_mark: Any = None  # Session.rows_mark() where the outermost call in progress began
         root, notes = unwrap_model(model)
         self.root = root
         self.prefix = session.prefix_for(root)  # "" for the first model, ``Class:`` for another
@@ -527,10 +532,19 @@ class Watch:
             if not self._depth and s.trained and not _grad_enabled():
                 self._eval = lid  # an outermost call with gradients disabled after training started: evaluation
                 return
-            if s._fmt_auto:  # the first watched forward: the run's format, if none was given (see resolve_format)
-                s.resolve_format(self.root, final=False)
+            if not self._depth and _functorch_level() is not None:
+                self._eval = lid  # inside vmap/grad: not recorded, as an evaluation call is not, but the
+                s._active = True  # step did work (its optimizer step ends it)
+                s.note_layer(lid, _FUNCTORCH_NOTE)
+                return
             if not self._depth and not s.trained:
                 s.outermost_call(_grad_enabled())  # before any backward: is it evaluation? (see Session.outermost_call)
+                if s.fmt_defaulted and not s.step:
+                    s.recheck_format(self.root)
+            if s._fmt_auto:  # the first watched forward: the run's format, if none was given (see resolve_format)
+                s.resolve_format(self.root, final=False)
+            if not self._depth:  # an outermost call: what its rows start from, should it raise
+                self._call_mark = s.rows_mark()
             self._depth += 1
             if layer.ord is None:
                 s.mark_order(lid)
@@ -628,6 +642,11 @@ class Watch:
                         held = stack.pop()
                         if held is not None:
                             s._rows.release(held)
+                    if not self._depth and self._call_mark is not None:
+                        # the outermost call raised (a bad batch skipped, an OOM retried): the rows and
+                        # calls of the modules that finished inside it go too, not into the step
+                        s.drop_rows_since(self._call_mark)
+                        self._call_mark = None
                     return
                 if not self._depth and s._fmt_auto:  # the first watched forward ends: no autocast seen in it
                     s.resolve_format(self.root)

@@ -386,3 +386,15 @@ def test_report_of_a_bisect_folder_without_a_baseline_trace(tmp_path):
     assert p.returncode != 0 and "Traceback" not in p.stderr, p.stderr
     assert "is a bisect folder that holds no trace of its baseline run (verdict: error)" in p.stderr, p.stderr
     assert str(tmp_path / "bisect.json") in p.stderr
+
+
+def test_a_closure_steps_loss_is_the_first_closure_calls(tmp_path):
+    """LBFGS: step(closure) runs the closure about 20 times a step; the step's loss is what step()
+    returns (the first call's), not the sum of every call's (9-16x too high). Under `run` the watch
+    starts inside the first closure, after that step began."""
+    out = tmp_path / "run"
+    r = amp("run", "--out", out, SCRIPTS / "lbfgs_closure.py")
+    assert r.returncode == 0, r.stderr
+    printed = [float(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("loss ")]
+    steps = TraceReader(out / "trace.sqlite").steps()
+    assert len(printed) == 3 and [s["loss"] for s in steps] == pytest.approx(printed, rel=1e-6), (steps, printed)

@@ -1070,6 +1070,37 @@ def test_format_seen_too_late_to_measure_again_stays_fp16_and_says_so(tmp_path):
     assert strip(rows) == strip(rows2) and rows
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_shape_check_forward_before_training_does_not_decide_the_format(tmp_path, grad):
+    """A model summary's or shape check's forward outside autocast (under no_grad, or with gradients on
+    and no backward) came before bf16 autocast training: the format is the training's, bf16, and the
+    rows are those of watch(format="bf16"). It was fp16, a readiness check, with overflow on values
+    that are fine in bf16."""
+    def run(name, fmt=None):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+        with torch.no_grad():
+            model[0].weight.mul_(1e5)  # activations about 1e5: fp16 overflow, fine in bf16
+        opt = torch.optim.SGD(model.parameters(), lr=1e-9)
+        kw = {} if fmt is None else {"format": fmt}
+        with ampdoctor.watch(model, trace=str(tmp_path / name), **kw):
+            with torch.set_grad_enabled(grad):
+                model(torch.zeros(1, 8))
+            for _ in range(2):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = nn.functional.cross_entropy(model(torch.randn(4, 8)), torch.tensor([0, 1, 0, 1]))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        r = TraceReader(tmp_path / name)
+        return r.meta(), [{k: v for k, v in row.items() if k != "id"} for row in r.stats()]
+
+    meta, rows = run("auto.sqlite")
+    assert meta["format"] == "bf16" and "autocast to bfloat16" in meta["format_detected"], meta
+    meta2, rows2 = run("given.sqlite", "bf16")
+    assert rows == rows2 and not any(r["overflow"] for r in rows)
+
+
 def test_explicit_format_wins_over_the_run(tmp_path):
     """format="fp16" on a bf16 autocast run is an fp16 readiness check: its activations beyond 65504
     (finite in bf16) count as fp16 overflow; measured against bf16 (auto) the same values do not."""

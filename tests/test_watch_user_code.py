@@ -13,6 +13,7 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 import torch
 from torch import nn
 
@@ -317,3 +318,107 @@ def test_a_layer_replaced_after_watch_is_followed_not_reported_stale(tmp_path):
     assert acts[3]["absmax"] == np.float32(real[3][1])
     notes = [e["detail"]["message"] for e in r.events("note")]
     assert any("changed after watch()" in n for n in notes)
+
+
+def test_a_closure_steps_loss_is_what_step_returns(tmp_path):
+    """optimizer.step(closure) (LBFGS) calls the closure, forward and backward, many times: the step's
+    loss is the first call's, the one step() returns; a backward before the step still counts."""
+    torch.manual_seed(0)
+    x = torch.linspace(-3, 3, 64)[:, None]
+    y = torch.sin(2 * x)
+    model = nn.Sequential(nn.Linear(1, 16), nn.Tanh(), nn.Linear(16, 1))
+    opt = torch.optim.LBFGS(model.parameters(), lr=1, max_iter=10, line_search_fn="strong_wolfe")
+    calls = []
+
+    def closure():
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        calls.append(loss.item())
+        return loss
+
+    path = tmp_path / "t.sqlite"
+    returned = []
+    with ampdoctor.watch(model, trace=str(path)):
+        for _ in range(2):
+            returned.append(opt.step(closure).item())
+        extra = (model(x) * 0).sum()  # a backward outside any closure, then a closure step: both count
+        extra.backward()
+        returned.append(opt.step(closure).item() + extra.item())
+    assert len(calls) > 6  # (the closure ran several times a step)
+    got = [s["loss"] for s in TraceReader(path).steps()]
+    assert got == pytest.approx(returned, rel=1e-6), (got, returned)
+
+
+def test_a_forward_that_raises_leaves_no_rows_in_the_step(tmp_path):
+    """A bad batch whose forward raises after its first layer ran, skipped by the loop (or an OOM
+    retried): the layers that finished inside it leave no rows or calls in the step that trains
+    next. Before, that step showed `a x2` with the aborted batch as its call 0."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 8)
+            self.b = nn.Linear(8, 1)
+
+        def forward(self, x):
+            h = self.a(x)
+            if x.shape[0] == 7:
+                raise RuntimeError("bad batch")
+            return self.b(h)
+
+    torch.manual_seed(0)
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    path = tmp_path / "t.sqlite"
+    with ampdoctor.watch(model, trace=str(path)):
+        for i in range(4):
+            x = torch.randn(7 if i in (1, 2) else 5, 4) * (1e6 if i == 1 else 1.0)  # the bad batch overflows
+            try:
+                loss = model(x).pow(2).mean()
+            except RuntimeError:
+                continue
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    r = TraceReader(path)
+    acts = sorted((s["step"], s["call"], s["numel"]) for s in r.stats(kind="activation"))
+    assert acts == [(0, 0, 5), (0, 0, 40), (1, 0, 5), (1, 0, 40)], acts
+    assert not any(s["overflow"] for s in r.stats())
+
+
+def test_per_sample_gradients_through_torch_func_are_not_recorded_and_say_so(tmp_path, recwarn):
+    """DP-SGD's vmap(grad(functional_call(model, ...))): the calls inside the transform are not
+    recorded (their tensors are functorch wrappers: torch warned about batching rules from our
+    statistics and errors filled the notes), with one note; the steps still count and the weight
+    gradients assigned to .grad are read where each step ends. Training is unchanged."""
+    from torch.func import functional_call, grad, vmap
+
+    def train(watch):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        x, y = torch.randn(8, 6), torch.randn(8, 1)
+        w = ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")) if watch else None
+        for _ in range(2):
+            params = {k: v.detach() for k, v in model.named_parameters()}
+
+            def f(p, xi, yi):
+                return nn.functional.mse_loss(functional_call(model, p, (xi[None],)), yi[None])
+
+            psg = vmap(grad(f), in_dims=(None, 0, 0))(params, x, y)
+            for k, p in model.named_parameters():
+                p.grad = psg[k].mean(0)
+            opt.step()
+        if w is not None:
+            w.remove()
+        return [p.detach().clone() for p in model.parameters()]
+
+    want = train(False)
+    got = train(True)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not [w for w in recwarn if "ampdoctor" in str(w.filename)], [str(w.message) for w in recwarn]
+    r = TraceReader(tmp_path / "t.sqlite")
+    assert len(r.steps()) == 2
+    notes = [e["detail"]["message"] for e in r.events("note")]
+    assert sum("torch.func transform" in n for n in notes) == 1 and not any("vmap:" in n for n in notes), notes
+    assert {s["kind"] for s in r.stats()} == {"weight", "weight_grad"}
