@@ -16,6 +16,7 @@ import shlex
 import socket
 import sys
 import tempfile
+import threading
 import time
 import weakref
 from collections import OrderedDict
@@ -37,6 +38,7 @@ from .steps import StepTracker
 from .trace import TraceWriter
 
 log = logging.getLogger(__name__)
+_get_ident = threading.get_ident
 _weakref = weakref.ref
 
 _lid_name = operator.itemgetter(0, 1)  # (lid, name) of a parameter entry
@@ -135,6 +137,8 @@ class Session:
         # "auto": fp16 until the first watched forward decides it (resolve_format), before anything is measured
         self._fmt_auto = str(self.config.format).lower() == AUTO
         self._fmt_provisional = False  # the format was decided in a no-grad call not yet known to be training
+        self._owner: int | None = None  # the thread that trains the watched models (see claim_thread)
+        self.foreign_notes: list[str] = []  # notes from other threads, written at the next step's end
         # fp16 for want of autocast or half parameters in the first forward: a later forward of step 0 that
         # shows one before any backward (a shape check's forward came first) still decides (recheck_format)
         self.fmt_defaulted = False
@@ -342,6 +346,16 @@ class Session:
         self.writer.set_meta(format=self.fmt.name, format_detected=why)
         self.writer.commit()
 
+    def claim_thread(self) -> bool:
+        """Whether this thread is the one whose training the session records: the first to run a
+        watched model's forward. The hooks are not thread-safe; a watched model run from another
+        thread is left alone (:meth:`Watch.go_foreign`), and so are the optimizer, GradScaler and
+        backward calls of other threads."""
+        t = _get_ident()
+        if self._owner is None:
+            self._owner = t
+        return t == self._owner
+
     def rows_mark(self) -> tuple:
         """Where this step's rows, flags and call counts are now (see :meth:`drop_rows_since`)."""
         return self._rows, len(self._rows.meta), len(self._flags), dict(self._calls)
@@ -536,6 +550,8 @@ class Session:
 
     # -- what the step tracker reports -----------------------------------------------------
     def on_backward(self, tensors: Any) -> None:
+        if self._owner is not None and _get_ident() != self._owner:
+            return  # another thread's training (see claim_thread)
         if self._provisional and not self.trained:
             self._drop_provisional()  # the watched calls of this step were evaluation; training is not watched
         self._active = self._worked = True
@@ -567,6 +583,8 @@ class Session:
         mismatch). Its step's gradients stop where it raised: none are read where the step ends, and
         the first such error is a note and in the trace's metadata (the report's advice says to fix it
         first). Never raises: the user's exception goes on unchanged."""
+        if self._owner is not None and _get_ident() != self._owner:
+            return  # another thread's training (see claim_thread)
         try:
             self._backward_raised = True
             if self._backward_error_said or self.closed:
@@ -586,6 +604,8 @@ class Session:
             log.warning("ampdoctor: could not record the backward pass's error: %s: %s", type(e).__name__, e)
 
     def on_scaled_loss(self, scaler: Any, loss: torch.Tensor, scaled: Any = None) -> None:
+        if self._owner is not None and _get_ident() != self._owner:
+            return  # another thread's training (see claim_thread)
         self._active = self._worked = True
         if loss.numel() == 1 and loss.is_floating_point() and not loss.is_meta:
             if not self._scaled_loss_seen:
@@ -601,6 +621,8 @@ class Session:
     def on_first_scale(self, scale: float) -> None:
         """A GradScaler's first ``scale()``, at its ``init_scale``: the scale this step's backward runs with
         (its row in the steps table holds the scale after ``update()``, which may have grown already)."""
+        if self._owner is not None and _get_ident() != self._owner:
+            return  # another thread's training (see claim_thread)
         if not self.closed:
             self.writer.set_meta(first_scale={"step": self.step, "scale": scale})
 
@@ -608,6 +630,8 @@ class Session:
         """``torch.autograd.grad(scaler.scale(loss), params, create_graph=True)``: the gradients of a
         gradient penalty. That loss is backpropagated later inside ``loss + penalty``, scaled again, so
         this scale() call's loss is not counted in the step's loss."""
+        if self._owner is not None and _get_ident() != self._owner:
+            return  # another thread's training (see claim_thread)
         if not self._scaled_outputs:
             return
         outs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
@@ -619,6 +643,8 @@ class Session:
                     break
 
     def on_scaler_update(self, scaler: Any, before: torch.Tensor | None, after: torch.Tensor | None) -> None:
+        if self._owner is not None and _get_ident() != self._owner:
+            return  # another thread's training (see claim_thread)
         self._scaler = scaler
         if after is not None:
             self._scale_after = after.detach().reshape(()).to(torch.float64, copy=True)  # (its own copy: update() changes _scale in place)
@@ -654,6 +680,8 @@ class Session:
         """``optimizer.step(closure)`` (LBFGS, and any optimizer given one) calls the closure, forward
         and backward, as often as it needs: the step's loss is the first call's (what ``step()``
         returns), not the sum of them all (:meth:`on_optimizer_step` drops the later ones)."""
+        if self._owner is not None and _get_ident() != self._owner:
+            return  # another thread's training (see claim_thread)
         closure = args[1] if len(args) > 1 else kwargs.get("closure")  # (args: the optimizer, then step's own)
         self._closure_losses_from = None
         if callable(closure):
@@ -664,6 +692,8 @@ class Session:
         self._closure_losses_from = len(self._losses)
 
     def on_optimizer_step(self, optimizer: Any) -> None:
+        if self._owner is not None and _get_ident() != self._owner:
+            return  # another thread's training (see claim_thread)
         start, self._closure_losses_from = self._closure_losses_from, None
         if start is not None and len(self._losses) > start + 1:
             del self._losses[start + 1:]
@@ -683,6 +713,8 @@ class Session:
     def on_scaler_step(self, scaler: Any, optimizer: Any) -> None:
         """``GradScaler.step(optimizer)``: that optimizer is in this update()'s unit, also when the
         scaler skips its step (no optimizer step runs then)."""
+        if self._owner is not None and _get_ident() != self._owner:
+            return  # another thread's training (see claim_thread)
         self._unit_opts.add(self._opt_id(optimizer))
 
     def _opt_id(self, optimizer: Any) -> int:
@@ -882,6 +914,8 @@ class Session:
         raise StopRun(e.reason, e.decision)
 
     def _end_step(self) -> None:
+        while self.foreign_notes:
+            self.note(self.foreign_notes.pop(0))
         self.settle_boundary()  # a step that ended with no backward pass since the last boundary
         # On CUDA, with no oracle to decide the step now, the weights' rows and the step's host copy wait
         # for the next backward pass to start: the host queues them there, behind the next forward, where

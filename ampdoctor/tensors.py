@@ -28,6 +28,8 @@ def _walk(obj: Any, prefix: str, depth: int, count: list) -> Iterator[tuple[str,
         return
     if isinstance(obj, dict):
         items = obj.items()
+    elif isinstance(obj, tuple) and isinstance(getattr(type(obj), "_fields", None), tuple):
+        items = zip(obj._fields, obj)  # a named tuple: its field names, as a dataclass's
     elif isinstance(obj, (tuple, list)):
         items = enumerate(obj)
     elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):

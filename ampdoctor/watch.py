@@ -12,6 +12,7 @@ is new or changed since the last look (no hook per parameter). Weights are read 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 import weakref
@@ -24,7 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .naming import WRAPPED_NOTE
 from .rows import HOLD_CALL, HOLD_PASS
-from .session import Session, _dtype_name, get_session
+from .session import Session, _dtype_name, _shown_name, get_session
 from .tensors import _MAX_TENSORS, floating, iter_tensors
 
 log = logging.getLogger(__name__)
@@ -288,6 +289,7 @@ class Watch:
         self._unarmed: list[tuple[list, Any]] = []  # hooks' traced calls not yet behind compiler.disable (see _eager)
         self._root_pre: Any = None  # the root's pre-hook (see enter_call_late)
         self._call_mark: Any = None  # Session.rows_mark() where the outermost call in progress began
+        self._foreign = False  # run from a thread other than the session's training thread (see go_foreign)
         root, notes = unwrap_model(model)
         self.root = root
         self.prefix = session.prefix_for(root)  # "" for the first model, ``Class:`` for another
@@ -302,6 +304,7 @@ class Watch:
                 h.remove()
             raise
         self.snapshot_grads()
+        self._screen_weights()
         session.attach(self)
         self.sleep(not session.recording)
         if session.config.force_fp32:
@@ -368,6 +371,54 @@ class Watch:
                     self._owners.append((mod._parameters, pname))
         self._grads_seen = [None] * len(self._params)
         self._handles.extend(self._sleepers)
+
+    def go_foreign(self) -> None:
+        """This model runs in a thread other than the one whose training the session records (two
+        models trained in two threads): the hooks are not thread-safe, so it is left alone from now on
+        (its hooks return at once; the session no longer reads its weights), with a note."""
+        if self._foreign:
+            return
+        self._foreign = True
+        s = self.session
+        try:
+            s.watches.remove(self)
+        except ValueError:
+            pass
+        name = type(self.root).__name__
+        msg = (f"{name} runs in another thread than the model trained first: not recorded (the hooks record one "
+               "training thread per process; train each model in a process of its own, or in one thread)")
+        log.warning("ampdoctor: %s", msg)
+        s.foreign_notes.append(msg)  # (written by the training thread: the trace's writer is not thread-safe)
+
+    def _screen_weights(self) -> None:
+        """Weights that are NaN/Inf already when the watch begins (a checkpoint saved after a run broke,
+        a bad initialisation): a note, and the first non-finite value of the run (``at_start``), so the
+        report does not take the first NaN output they give for an op that produced it. One reduction
+        per parameter (no temporary copy) and one host read per device, once."""
+        by_dev: dict[Any, list[tuple[int, torch.Tensor]]] = {}
+        for lid, _, p in self._params:
+            if p is not None and p.is_floating_point() and p.numel() and p.layout == torch.strided and not p.is_meta:
+                by_dev.setdefault(p.device, []).append((lid, p))
+        bad: list[int] = []
+        try:
+            with torch.no_grad():
+                for items in by_dev.values():
+                    amax = torch.stack([torch.linalg.vector_norm(p.detach(), ord=math.inf).float() for _, p in items])
+                    ok = torch.isfinite(amax).tolist()
+                    bad.extend(lid for (lid, _), fine in zip(items, ok) if not fine)
+        except Exception as e:  # pragma: no cover - never break watch() for a check
+            log.info("ampdoctor: could not check the weights for NaN/Inf: %s: %s", type(e).__name__, e)
+            return
+        if not bad:
+            return
+        s = self.session
+        lids = list(dict.fromkeys(bad))
+        names = [s.layers[lid].name for lid in lids]
+        shown = ", ".join(_shown_name(s.layers[lid]) for lid in lids[:5]) + (f" and {len(lids) - 5} more" if len(lids) > 5 else "")
+        s.note(f"weights already NaN/Inf when watch() began, before any step: {shown} (a checkpoint saved after "
+               "the run broke, or a bad initialisation): fix them first; what they give is not a precision problem")
+        s.writer.add_event(s.step, "first_nonfinite", names[0], kind="weight", call=0, producers=len(lids), at_start=True)
+        s.writer.commit()
 
     def enter_call_late(self, module: nn.Module, args: Any) -> None:
         """The root's pre-hook, by hand, for the call of ``module`` (the root) that is going on while this
@@ -525,10 +576,12 @@ class Watch:
         def pre(mod: nn.Module, args: Any, kwargs: dict) -> None:
             if _is_compiling():
                 return traced[0](mod, args, kwargs)
-            if not s.recording or self._removed or _graph_task_id() != -1 or _inference_mode():
+            if not s.recording or self._removed or self._foreign or _graph_task_id() != -1 or _inference_mode():
                 return  # (inference tensors have no version counter: evaluation under inference_mode is not recorded)
             if self._eval is not None:
                 return  # inside an evaluation call
+            if not self._depth and not s.claim_thread():
+                return self.go_foreign()  # another thread trains the watched model(s): this one is left alone
             if not self._depth and s.trained and not _grad_enabled():
                 self._eval = lid  # an outermost call with gradients disabled after training started: evaluation
                 return
@@ -618,7 +671,7 @@ class Watch:
         def post(mod: nn.Module, args: Any, kwargs: dict, out: Any) -> None:
             if _is_compiling():
                 return traced[0](mod, args, kwargs, out)
-            if not s.recording or self._removed or s.closed or _graph_task_id() != -1 or _inference_mode():
+            if not s.recording or self._removed or self._foreign or s.closed or _graph_task_id() != -1 or _inference_mode():
                 return  # (a forward inside backward is activation checkpointing recomputing it)
             if self._eval is not None:  # inside an evaluation call (see the pre-hook)
                 if self._eval == lid:
@@ -741,7 +794,7 @@ class Watch:
         def post(mod: nn.Module, args: Any, out: Any) -> None:
             if _is_compiling():
                 return traced[0](mod, args, out)
-            if self._removed or s.closed or _in_backward() or (s.trained and not _grad_enabled()):
+            if self._removed or self._foreign or s.closed or _in_backward() or (s.trained and not _grad_enabled()):
                 return  # (an evaluation call's output says nothing of training)
             flag = _nonfinite_flag([t for _, t in floating(iter_tensors(out)) if t.numel()])
             if flag is not None:

@@ -104,3 +104,27 @@ def test_the_control_gets_twice_the_default_timeout(tmp_path):
     hang = TrialRunner(str(SCRIPTS / "hangs.py"), [], tmp_path / "h", oracle={}, timeout=600)
     t = hang.wait(hang.start("hang", [], pass_after=None, timeout=3))
     assert t.outcome == "timeout" and t.seconds < 30 and "killed after 3s" in t.error, t
+
+
+def test_weights_nan_from_a_checkpoint_are_named_as_such(tmp_path):
+    """Training resumed from a checkpoint whose weights are NaN already: the run's report and bisect
+    name those weights (`at_start`), not the first layer whose output their NaN reached as the
+    producer ("from finite inputs", with keep_fp32 advice), and bisect says not_precision."""
+    from ampdoctor.report import build_report
+
+    script = Path(__file__).parent / "scripts" / "nan_checkpoint.py"
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "ampdoctor", "run", "--out", str(out), str(script)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    rep = build_report(out)
+    assert rep.diagnosis.first_nonfinite["at_start"] and rep.diagnosis.first_nonfinite["layer"] == "2"
+    text = " ".join(rep.diagnosis.lines)
+    assert "the weights of 2 were already NaN/Inf when watch() began" in text and "from finite inputs" not in text
+    assert not any("keep_fp32" in a for a in rep.advice), rep.advice
+    b = subprocess.run([sys.executable, "-m", "ampdoctor", "bisect", "--out", str(tmp_path / "b"), "--json",
+                        str(tmp_path / "b.json"), str(script)], capture_output=True, text=True, timeout=300)
+    res = json.loads((tmp_path / "b.json").read_text())
+    assert res["verdict"] == "not_precision", b.stdout
+    assert res["first_nonfinite"] == {"layer": "2", "kind": "weight", "step": 0, "at_start": True}
+    assert "the weights of 2, already NaN/Inf when the run began" in b.stdout

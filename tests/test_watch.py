@@ -253,6 +253,27 @@ def test_tuple_dict_int_outputs(tmp_path):
     assert not any(s.endswith("ids") or s.endswith("count") for _, s in slots)
 
 
+def test_named_tuple_outputs_are_slotted_by_field_name(tmp_path):
+    """A named tuple's tensors are named by its fields, as a dataclass's or a dict's are (they were
+    `0`, `1.h`: by position)."""
+    State = collections.namedtuple("State", "h c")
+
+    class Cell(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.lin(x)
+            return h.sum(), State(h=h, c=torch.tanh(h))
+
+    model = Cell()
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite"), all_modules=True):
+        train(model, 1, loss_fn=lambda out: out[1].h.float().pow(2).mean() + out[1].c.float().mean())
+    slots = {s["slot"] for s in TraceReader(tmp_path / "t.sqlite").stats(kind="activation") if s["layer"] == 0}
+    assert slots == {"0", "1.h", "1.c"}, slots
+
+
 def test_int_and_empty_outputs_do_not_crash(tmp_path):
     class M(nn.Module):
         def __init__(self):

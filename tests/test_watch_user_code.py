@@ -422,3 +422,58 @@ def test_per_sample_gradients_through_torch_func_are_not_recorded_and_say_so(tmp
     notes = [e["detail"]["message"] for e in r.events("note")]
     assert sum("torch.func transform" in n for n in notes) == 1 and not any("vmap:" in n for n in notes), notes
     assert {s["kind"] for s in r.stats()} == {"weight", "weight_grad"}
+
+
+@pytest.mark.parametrize("second_watched", [True, False])
+def test_two_models_trained_in_two_threads(tmp_path, second_watched):
+    """Two models trained at once in two threads (the second watched too, or not): the hooks are not
+    thread-safe, so the session records the thread whose watched model ran first and leaves the other
+    alone, with a note. Before: segfaults, NaN counts of INT64_MIN, false first-non-finite events, a
+    report that raised, and the other thread's optimizer steps and losses mixed into the steps."""
+    import threading
+
+    def make(seed):
+        torch.manual_seed(seed)
+        m = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+        return m, torch.optim.SGD(m.parameters(), lr=1e-2), torch.amp.GradScaler("cpu")
+
+    losses = {}
+
+    def train(name, m, o, s, start=None):
+        if start is not None:
+            start.wait()
+        out = losses.setdefault(name, [])
+        for _ in range(20):
+            x, y = torch.randn(16, 32), torch.randint(0, 10, (16,))
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(m(x), y)
+            o.zero_grad()
+            s.scale(loss).backward()
+            s.step(o)
+            s.update()
+            out.append(loss.item())
+
+    a, b = make(0), make(1)
+    path = tmp_path / "t.sqlite"
+    wa = ampdoctor.watch(a[0], trace=str(path))
+    wb = ampdoctor.watch(b[0]) if second_watched else None
+    started = threading.Event()
+    t = threading.Thread(target=train, args=("b", *b, started))
+    a[0](torch.randn(1, 32))  # (the main thread's model runs first: it is the one recorded)
+    t.start()
+    started.set()
+    train("a", *a)
+    t.join()
+    for w in (wa, wb):
+        if w is not None:
+            w.remove()
+    rep = wa.report()
+    r = TraceReader(path)
+    steps = r.steps()
+    assert len(steps) == 20 and [s["loss"] for s in steps] == pytest.approx(losses["a"], rel=1e-3)
+    assert all(s["nan"] == 0 and s["posinf"] == 0 for s in r.stats())
+    assert not r.events("first_nonfinite") and not rep.diagnosis.broke
+    names = {lay["name"] for lay in r.layers() if lay["ord"] is not None}
+    assert names == {"", "0", "1", "2"}, names  # model a's layers only (b's, if watched, never ran here)
+    notes = [e["detail"]["message"] for e in r.events("note")]
+    assert any("runs in another thread" in n for n in notes) == second_watched, notes

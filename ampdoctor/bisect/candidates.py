@@ -146,13 +146,16 @@ def read_baseline(trace: str | Path, failure_step: int | None = None, reason: st
         # without a producer (the data was non-finite) the earliest forward event or unscaled gradient:
         # a gradient the GradScaler scaled into Inf at a start-up backoff (step 0) is not the failure
         later = [e for e in events if e["detail"].get("kind") == "activation" or not e["detail"].get("scaled")]
-        e = (fwd or later or events)[0]
-        if not fwd and not later and grad_events and reason in ("skipped_steps", "scale_collapse"):
+        at_start = [e for e in events if e["detail"].get("at_start")]  # weights NaN/Inf before any step
+        e = (at_start or fwd or later or events)[0]
+        if not at_start and not fwd and not later and grad_events and reason in ("skipped_steps", "scale_collapse"):
             at = [g for g in grad_events if failure_step is None or g["step"] >= failure_step]
             e = at[0] if at else grad_events[-1]
         first = {"layer": e["layer"], "kind": e["detail"].get("kind"), "step": e["step"]}
         if e["detail"].get("input_nonfinite"):  # the layer's input already held it: the data, not the layer
             first["input_nonfinite"] = True
+        if e["detail"].get("at_start"):
+            first["at_start"] = True
     types = {lay["name"]: lay["type"] for lay in all_layers}  # containers never called too (a ModuleDict)
     # weights stored in half precision: a pure .half()/.bfloat16() model, where autocast is not the fix
     half = {by_id[s["layer"]]["name"]: s["dtype"] for s in weights

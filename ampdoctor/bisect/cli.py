@@ -44,7 +44,10 @@ def _summary(res: dict) -> str:
         lines.append(f"baseline breaks at step {f['step']}: {f['reason']}")
     if res.get("first_nonfinite"):
         fn = res["first_nonfinite"]
-        if fn.get("input_nonfinite"):
+        if fn.get("at_start"):
+            lines.append(f"first non-finite: the weights of {fn['layer'] or '(root)'}, already NaN/Inf when the run "
+                         "began (a checkpoint saved after a run broke, or a bad initialisation)")
+        elif fn.get("input_nonfinite"):
             lines.append(f"first non-finite: the input of {fn['layer'] or '(root)'} at step {fn['step']} (already "
                          "non-finite: the data, or code outside the watched model)")
         else:

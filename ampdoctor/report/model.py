@@ -400,6 +400,10 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
         if fn.get("input_nonfinite"):
             lines.append(f"First non-finite value: step {fn['step']}, the input of {fn['layer'] or '(root)'} was already "
                          "non-finite (the data, or code outside the watched model).")
+        elif fn["kind"] == "weight" and fn.get("at_start"):
+            lines.append(f"First non-finite value: the weights of {fn['layer'] or '(root)'} were already NaN/Inf when "
+                         "watch() began, before any step (a checkpoint saved after a run broke, or a bad "
+                         "initialisation): fix them first; the NaN they give is not a precision problem.")
         elif fn["kind"] == "weight":
             lines.append(f"First non-finite value: step {fn['step']}, the weights of {fn['layer'] or '(root)'}: the "
                          "optimizer step made them non-finite (an overflowing update or weight gradient; with DDP, "
@@ -491,7 +495,10 @@ def _pick_first_nonfinite(events: list[dict], decision: Any) -> dict | None:
     unscaled = [e for e in firsts if e["detail"].get("kind") != "activation" and not e["detail"].get("scaled")]
     grads = [e for e in events if e["kind"] == "grad_nonfinite"]
     pick = None
-    if fwd or unscaled:
+    at_start = [e for e in firsts if e["detail"].get("at_start")]
+    if at_start:  # weights NaN/Inf before anything ran: whatever came next came from them
+        pick = at_start[0]
+    elif fwd or unscaled:
         # the earliest; at the same step a forward output first. A later forward event is an echo of an
         # earlier unscaled gradient/weight one (weights the optimizer step made non-finite give NaN outputs
         # from the next forward on), never the producer
