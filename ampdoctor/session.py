@@ -39,6 +39,11 @@ from .trace import TraceWriter
 
 log = logging.getLogger(__name__)
 _get_ident = threading.get_ident
+
+
+def _on_host(scalars: dict) -> bool:
+    """A step's loss, scale and skip flag are all CPU tensors (or none): reading them costs no sync."""
+    return all(v is None or v.device.type == "cpu" for v in (scalars["loss"], scalars["scale"], scalars["skipped"]))
 _weakref = weakref.ref
 
 _lid_name = operator.itemgetter(0, 1)  # (lid, name) of a parameter entry
@@ -957,7 +962,8 @@ class Session:
             self._boundary = (step, list(self.watches), (rows, row_meta, flags, flag_meta, recorded), self._pending_scalars,
                               self.optimizer_steps)
             self._pending_scalars = []
-        elif recorded or self._oracle is not None or len(self._pending_scalars) >= self.config.every:
+        elif (recorded or self._oracle is not None or len(self._pending_scalars) >= self.config.every
+              or _on_host(scalars)):  # (host values: written at once, so a kill loses none of them)
             decision = self._flush_soon(rows, row_meta, flags, flag_meta, recorded)
         self.writer.commit()
         for w in self.watches:  # the next step's hooks: only a recorded step needs them

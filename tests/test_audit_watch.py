@@ -151,13 +151,14 @@ def _sampled_report(tmp_path, how):
 
 
 def test_sampled_steps_do_not_blame_a_layer_that_nan_reached_through_the_updates(tmp_path):
-    # with every=4 the loss went NaN at step 6 (after step 5's update); the first detailed step, 8, showed
-    # layer 0's output NaN (its weights were NaN by then) and the advice said to keep layer 0 in FP32
+    # with every=4 the loss went NaN at step 6 (after step 5's update); the first detailed step (7: on the
+    # CPU step 6's loss is read where it ends) showed layer 0's output NaN (its weights were NaN by then)
+    # and the advice said to keep layer 0 in FP32
     rep = _sampled_report(tmp_path, "update")
     text = " ".join(rep.diagnosis.lines)
     assert rep.diagnosis.first_nonfinite is None
     assert "The loss was non-finite from step 6 (layer statistics sampled every 4 steps): the first non-finite value " \
-           "recorded (step 8," in text, text
+           "recorded (step 7," in text, text
     assert "Rerun with --every 1 to pin it" in text and "produced NaN/Inf from finite inputs" not in text
     assert not any("keep_fp32" in a for a in rep.advice), rep.advice
 

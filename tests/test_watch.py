@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.modules import module as module_mod
 
 import ampdoctor
+from ampdoctor import session as session_mod
 from ampdoctor.trace import TraceReader
 
 
@@ -150,14 +151,15 @@ def deferred_read(monkeypatch):
 
     monkeypatch.setattr(hostcopy.HostCopy, "start", start_as_cuda)
     monkeypatch.setattr(hostcopy.HostCopy, "defers", staticmethod(lambda devices: True))
+    monkeypatch.setattr(session_mod, "_on_host", lambda scalars: False)  # (the losses "on the GPU": not read at once)
 
 
 def test_detail_after_a_nonfinite_loss_wakes_the_hooks(tmp_path):
-    """every=4 and a NaN loss at step 5 (seen when step 8's batch of losses is read): the steps
-    recorded in detail after it have their statistics, so the hooks were back for them, and no
-    step that is not marked recorded has any."""
+    """every=4 and a NaN loss at step 5 (on the CPU read where step 5 ends): the steps recorded in
+    detail after it have their statistics, so the hooks were back for them, and no step that is not
+    marked recorded has any. (The NaN reaches the weights: every later loss is NaN, and detailed.)"""
     recorded = _inf_at_step_5(tmp_path, 12)
-    assert {0, 4, 8, 9, 10, 11} <= recorded and not {1, 2, 3, 5, 6, 7} & recorded
+    assert {0, 4, 6, 7, 8} <= recorded and not {1, 2, 3, 5} & recorded
 
 
 def test_model_compiled_after_watch_records_the_same_without_recompiling(tmp_path):
@@ -679,9 +681,9 @@ def test_inference_mode_forwards_are_not_recorded(tmp_path):
 
 
 def test_detail_step_after_a_nonfinite_loss_is_attributed(tmp_path):
-    """every=5: the loss is non-finite at step 3, which is not recorded; when step 5's boundary reads
-    it, the steps after it are recorded in full, and the first of them (6), which produces an Inf
-    again, names the producer (before, it was recorded but not attributed, and no event came)."""
+    """every=5: the loss is non-finite at step 3, which is not recorded; when its boundary reads it
+    (on the CPU), the steps after it are recorded in full, and the first of them (4), which produces an
+    Inf again, names the producer (before, it was recorded but not attributed, and no event came)."""
     class Boost(nn.Module):
         def __init__(self):
             super().__init__()
@@ -695,23 +697,35 @@ def test_detail_step_after_a_nonfinite_loss_is_attributed(tmp_path):
     model = nn.Sequential(nn.Linear(8, 8), boost, nn.Linear(8, 1))
 
     def make_x(i):
-        boost.factor = 1e39 if i in (3, 6) else 1.0  # x * 1e39 is Inf in fp32 from finite inputs
+        boost.factor = 1e39 if i in (3, 4) else 1.0  # x * 1e39 is Inf in fp32 from finite inputs
         return torch.randn(4, 8)
 
     with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite"), every=5):
         train(model, 11, make_x=make_x, autocast=False)  # GradScaler: the Inf steps are skipped
     r = TraceReader(tmp_path / "t.sqlite")
     recorded = [s["step"] for s in r.steps() if s["recorded"]]
-    assert recorded[:5] == [0, 5, 6, 7, 8] and 4 not in recorded
+    assert recorded[:4] == [0, 4, 5, 6] and 3 not in recorded  # (step 3's loss read where it ended)
     ev = [e for e in r.events("first_nonfinite") if e["detail"]["kind"] == "activation"]
-    assert ev and ev[0]["step"] == 6 and ev[0]["layer"] == "1", ev
+    assert ev and ev[0]["step"] == 4 and ev[0]["layer"] == "1", ev
 
 
-@pytest.mark.parametrize("every,bad,extra", [(5, 7, [11, 12, 13]), (3, 9, [10, 11]), (10, 3, [11, 12, 13])])
+@pytest.mark.parametrize("every,bad,extra", [(5, 7, [8, 9]), (3, 9, [10, 11]), (10, 3, [4, 5, 6])])
 def test_three_steps_in_full_after_a_nonfinite_loss(tmp_path, every, bad, extra):
     """README --every: the next 3 steps after the boundary that reads a non-finite loss are recorded in
     full (a regular step among them counts as one of the three). There were four: the step forced on
-    when the loss was read was not counted."""
+    when the loss was read was not counted. On the CPU each step's loss is read where it ends (it was
+    read with the next recorded step's: a kill lost up to N steps of losses)."""
+    _three_steps(tmp_path, every, bad, extra)
+
+
+@pytest.mark.parametrize("every,bad,extra", [(5, 7, [12, 13, 14]), (3, 9, [11, 13]), (10, 3, [12, 13, 14])])
+def test_three_steps_in_full_after_a_nonfinite_loss_read_on_the_gpu(tmp_path, deferred_read, every, bad, extra):
+    """As above, with the losses read as on CUDA: with the next recorded step's, inside the step after it
+    (so from the boundary after that; with every=3 step 12 is a regular one and counts as one of them)."""
+    _three_steps(tmp_path, every, bad, extra)
+
+
+def _three_steps(tmp_path, every, bad, extra):
     m = nn.Linear(4, 4)
     opt = torch.optim.SGD(m.parameters(), lr=0.0)
     path = tmp_path / "t.sqlite"
