@@ -9,7 +9,9 @@ import math
 import os
 import runpy
 import shlex
+import signal
 import sys
+import threading
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -248,6 +250,11 @@ def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig
 
     os._exit = hard_exit
     status, code, err, tb, stop_reason, decision = "finished", 0, None, None, None, None
+    # SIGTERM (what SLURM, Kubernetes and `kill` send) ends the run as Ctrl-C does: report written, exit 143
+    # (unless the script sets a handler of its own, which then decides)
+    term_prev = None
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+        term_prev = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         runpy.run_path(str(path), run_name="__main__")
     except StopRun as e:
@@ -261,15 +268,27 @@ def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig
             status, code, err = "exited", 1, str(e.code)
     except KeyboardInterrupt:
         status, code, err = "interrupted", 130, "KeyboardInterrupt"
+    except Terminated:
+        status, code, err = "interrupted", 143, "SIGTERM"
     except BaseException as e:  # the user's script failed: keep its cause, not ours
         status, code = "crashed", 1
         err = f"{type(e).__name__}: {e}"
         tb = _user_traceback(e, path)
     finally:
+        if term_prev is not None and signal.getsignal(signal.SIGTERM) is _raise_terminated:
+            signal.signal(signal.SIGTERM, term_prev)
         if os.getpid() != pid:  # a child the script forked (os.fork) ran to the script's end: its end, not the run's
             _end_forked_child(code, tb)
         result = finish(status, code, err, tb, stop_reason, decision)
     return result
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived while ``run`` ran the script (see :func:`_raise_terminated`)."""
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
 
 
 def _end_forked_child(code: int, tb: str | None) -> None:

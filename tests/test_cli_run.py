@@ -398,3 +398,27 @@ def test_a_closure_steps_loss_is_the_first_closure_calls(tmp_path):
     printed = [float(line.split()[1]) for line in r.stdout.splitlines() if line.startswith("loss ")]
     steps = TraceReader(out / "trace.sqlite").steps()
     assert len(printed) == 3 and [s["loss"] for s in steps] == pytest.approx(printed, rel=1e-6), (steps, printed)
+
+
+def test_sigterm_ends_a_run_as_ctrl_c_does(tmp_path):
+    """SIGTERM (SLURM's and Kubernetes' stop, `kill`) to `ampdoctor run`: the report of the steps so far
+    is written and the exit status is 143. It died at once, with no report and the trace marked running."""
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("AMPDOCTOR_CONFIG", None)
+    p = subprocess.Popen([sys.executable, "-m", "ampdoctor", "run", "--out", str(out), str(SCRIPTS / "hangs.py")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    deadline = time.time() + 60
+    while time.time() < deadline:  # the script sleeps once its step is taken
+        if (out / "trace.sqlite").exists() and TraceReader(out / "trace.sqlite").steps():
+            break
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    stdout, stderr = p.communicate(timeout=60)
+    assert p.returncode == 143, stderr
+    rep = json.loads((out / "report.json").read_text())
+    assert any("interrupted (SIGTERM)" in line for line in rep["diagnosis"]["lines"]), rep["diagnosis"]
+    assert rep["meta"]["status"] == "interrupted" and len(rep["timeline"]) == 1

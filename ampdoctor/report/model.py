@@ -443,7 +443,8 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
     if status == "crashed":
         lines.append(f"The script raised: {meta.get('error', '?')}")
     elif status == "interrupted":
-        lines.append("The run was interrupted (KeyboardInterrupt): this shows the steps recorded before it stopped.")
+        lines.append(f"The run was interrupted ({meta.get('error') or 'KeyboardInterrupt'}): this shows the steps "
+                     "recorded before it stopped.")
     elif status == "exited" and meta.get("exit_code") not in (None, 0, "0"):
         lines.append(f"The script exited with status {meta.get('exit_code')}"
                      + (f" ({meta['error']})" if meta.get("error") else "")
