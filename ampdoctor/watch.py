@@ -1007,23 +1007,16 @@ def watch(model: nn.Module, *, format: str | None = None, every: int | None = No
     existing = _WATCHED.get(root)
     if existing is not None and not existing._removed:
         log.info("ampdoctor: %s is already watched; returning the existing handle", type(root).__name__)
+        _say_ignored(existing.session, format, every, trace)
         return existing
     for other in list(_WATCHED.values()):
         if not other._removed and any(m is root for m in other.root.modules()):
             log.info("ampdoctor: %s is part of the watched %s, which records its layers; returning that handle",
                      type(root).__name__, type(other.root).__name__)
+            _say_ignored(other.session, format, every, trace)
             return other
     session = get_session(format=format, every=every, trace=trace, all_modules=all_modules)
-    if session is not None and session.owned:
-        pass  # the CLI's configuration wins
-    elif session is not None:
-        for key, value in (("format", format), ("every", every)):
-            if value is not None and getattr(session.config, key) != value:
-                log.warning("ampdoctor: session already uses %s=%r; ignoring %r", key, getattr(session.config, key), value)
-        if trace is not None and session.trace_path is not None and \
-                os.path.abspath(os.fspath(trace)) != os.path.abspath(os.fspath(session.trace_path)):
-            log.warning("ampdoctor: this process already records to %s (one trace per process); ignoring trace=%r: "
-                        "remove() the other watches first to start a new trace", session.trace_path, os.fspath(trace))
+    _say_ignored(session, format, every, trace)
     all_mods = session.config.all_modules if all_modules is None else all_modules
     try:
         return Watch(model, session, all_modules=all_mods)
@@ -1031,6 +1024,21 @@ def watch(model: nn.Module, *, format: str | None = None, every: int | None = No
         if not session.watches and not session.owned:  # the session this call began goes with it
             session.close("crashed", error="watch() failed")
         raise
+
+
+def _say_ignored(session: Session | None, format: str | None, every: int | None, trace: Any) -> None:
+    """Warn about the arguments of a watch() that joins a session which runs otherwise (one session,
+    and one trace, per process; the CLI's configuration wins without a word)."""
+    if session is None or session.owned:
+        return
+    for key, value in (("format", format), ("every", every)):
+        if value is not None and str(getattr(session.config, key)).lower() != str(value).lower():
+            log.warning("ampdoctor: this process's watch already uses %s=%r; ignoring %s=%r (remove() the other "
+                        "watches first to start anew)", key, getattr(session.config, key), key, value)
+    if trace is not None and session.trace_path is not None and \
+            os.path.abspath(os.fspath(trace)) != os.path.abspath(os.fspath(session.trace_path)):
+        log.warning("ampdoctor: this process already records to %s (one trace per process); ignoring trace=%r: "
+                    "remove() the other watches first to start a new trace", session.trace_path, os.fspath(trace))
 
 
 def watched_root(module: nn.Module) -> Watch | None:

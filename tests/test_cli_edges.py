@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -412,3 +413,30 @@ def test_pass_after_is_capped_at_max_steps_with_a_note(tmp_path):
     assert res["pass_after"] == 27
     assert all(t["step"] <= 27 for t in res["trials"] if t["outcome"] == "pass")
     assert any("--max-steps 27 ends every trial before step" in n for n in res["notes"])
+
+
+def test_bisect_trials_get_no_stdin_and_a_pipe_into_bisect_is_noted(tmp_path):
+    """Trials inherited bisect's stdin: piped input went to the baseline and the control read EOF (a
+    wrong verdict), and from a terminal a prompt blocked the baseline unseen. Now every trial reads an
+    empty stdin, and bisect says so when something is piped into it."""
+    script = tmp_path / "reads_stdin.py"
+    script.write_text(textwrap.dedent("""
+        import sys
+        import torch
+        from torch import nn
+        print("stdin", repr(sys.stdin.read()), flush=True)
+        model = nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        for _ in range(4):
+            model(torch.randn(2, 4)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    """))
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop("AMPDOCTOR_CONFIG", None)
+    out = tmp_path / "b"
+    r = subprocess.run([sys.executable, "-m", "ampdoctor", "bisect", "--out", str(out), str(script)], input="60\n",
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert "the trials run with no stdin" in r.stderr, r.stderr
+    assert "verdict: healthy" in r.stdout, (r.stdout, r.stderr)
+    assert "stdin ''" in (out / "trials" / "00-baseline" / "stdout.txt").read_text()

@@ -477,3 +477,22 @@ def test_two_models_trained_in_two_threads(tmp_path, second_watched):
     assert names == {"", "0", "1", "2"}, names  # model a's layers only (b's, if watched, never ran here)
     notes = [e["detail"]["message"] for e in r.events("note")]
     assert any("runs in another thread" in n for n in notes) == second_watched, notes
+
+
+def test_watch_of_a_watched_model_warns_about_the_arguments_it_ignores(tmp_path, caplog):
+    """watch() of a model already watched returns the existing handle: a trace=, every= or format= that
+    differ were dropped with only an info line (the README says it warns)."""
+    model = nn.Linear(4, 4)
+    w = ampdoctor.watch(model, trace=str(tmp_path / "a.sqlite"), every=1)
+    try:
+        with caplog.at_level(logging.WARNING, logger="ampdoctor"):
+            again = ampdoctor.watch(model, trace=str(tmp_path / "b.sqlite"), every=5, format="bf16")
+        assert again is w
+        text = caplog.text
+        assert "ignoring every=5" in text and "ignoring format='bf16'" in text and "b.sqlite" in text, text
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ampdoctor"):
+            ampdoctor.watch(model, trace=str(tmp_path / "a.sqlite"), every=1)
+        assert "ignoring" not in caplog.text
+    finally:
+        w.remove()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shlex
 import signal
 import sys
@@ -35,6 +36,17 @@ def _progress(kind: str, info: dict) -> None:
         if t.outcome in ("error", "timeout") and t.error:
             what += f": {t.error}"
         click.echo(f"trial {t.index + 1:>2}  {t.seconds:6.1f}s  fp32=[{forced}]  -> {what}", err=True)
+
+
+def _stdin_piped() -> bool:
+    """bisect's stdin is a pipe or a file (``echo 60 | ampdoctor bisect ...``), not a terminal or nothing."""
+    try:
+        import stat
+
+        mode = os.fstat(0).st_mode
+        return stat.S_ISFIFO(mode) or (stat.S_ISREG(mode) and os.fstat(0).st_size > 0)
+    except (OSError, ValueError):
+        return False
 
 
 def _summary(res: dict) -> str:
@@ -159,6 +171,9 @@ def bisect_command(out, json_path, fmt, jobs, repeat, timeout, max_steps, margin
                          use_hints=not no_hints, nproc=nproc, fork=True,  # this process ran no torch op
                          control_blowup=control_blowup or None)
     click.echo(f"ampdoctor bisect: {script} (run folder {out_dir})", err=True)
+    if _stdin_piped():
+        click.echo("ampdoctor bisect: note: the trials run with no stdin; what is piped in is not passed on "
+                   "(give the script its input as an argument or a file)", err=True)
     args = _script_args(script_args)
     try:  # `kill` ends the trials too, as Ctrl-C does
         previous, installed = signal.signal(signal.SIGTERM, _terminated), True

@@ -109,7 +109,9 @@ class TrialRunner:
             if self.fork and gpu is None:
                 proc = _fork_trial(self.script, self.args, env, stdout, stderr)
             else:
-                proc = subprocess.Popen(cmd,
+                # stdin: none (trials run side by side and again: a prompt would block one unseen, and the first
+                # trial would take piped input from the others)
+                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
                                         stdout=stdout, stderr=stderr, env=env, cwd=os.getcwd(), start_new_session=True)
             handle = {"proc": proc, "t0": t0, "folder": folder, "fp32": list(fp32), "name": name, "index": index,
                       "files": (stdout, stderr), "timeout": self.timeout if timeout is None else timeout}
@@ -328,6 +330,9 @@ def _fork_trial(script: str, args: list[str], env: dict, stdout: Any, stderr: An
         os.setsid()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the parent's (bisect's CLI raises on SIGTERM)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        null = os.open(os.devnull, os.O_RDONLY)  # no stdin, as a trial started fresh has none (see run)
+        os.dup2(null, 0)
+        os.close(null)
         os.dup2(stdout.fileno(), 1)
         os.dup2(stderr.fileno(), 2)
         os.environ.clear()
