@@ -502,7 +502,7 @@ class TraceWriter:
                     con.close()
                 except Exception:
                     pass
-            self._end_child()
+            self._end_child(never_ready=waiting)
 
     def _feed(self, item: Any) -> bool:
         """Send one queue item to the writer process; True at the end."""
@@ -537,9 +537,18 @@ class TraceWriter:
         w.flush()  # a process that died fails this item, which the thread then writes
         return False
 
-    def _end_child(self) -> None:
+    def _end_child(self, never_ready: bool = False) -> None:
         child, self._child = self._child, None
         if child is None:
+            return
+        if never_ready:  # it was sent nothing (this thread wrote everything): not waited for, were it hung
+            try:
+                child.kill()
+                child.wait(5)
+                child.stdin.close()
+                child.stdout.close()
+            except Exception:  # pragma: no cover
+                pass
             return
         try:
             try:  # "stop" (processes forked meanwhile may still hold the pipe: no end of input yet)
