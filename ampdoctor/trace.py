@@ -347,9 +347,13 @@ class TraceWriter:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        _discard_old_trace(self.path)
-        con = _connect(self.path)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            _discard_old_trace(self.path)
+            con = _connect(self.path)
+        except (OSError, sqlite3.Error) as e:
+            raise TraceUnwritable(f"cannot write the trace at {self.path} ({type(e).__name__}: {e}): give "
+                                  "watch(trace=...) (or --out) a path in a folder this process can write") from e
         con.executescript(_SCHEMA)
         con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         con.commit()
@@ -563,6 +567,11 @@ class TraceWriter:
             log.warning("ampdoctor trace: the writer process did not finish: %s", e)
         if child.returncode:
             log.warning("ampdoctor trace: the writer process exited with status %s", child.returncode)
+
+
+class TraceUnwritable(OSError):
+    """The trace's path cannot be made or opened for writing (a file where a folder should be, no
+    permission, a read-only filesystem)."""
 
 
 def hist_blob(counts: Sequence[float] | np.ndarray) -> bytes:

@@ -496,3 +496,20 @@ def test_watch_of_a_watched_model_warns_about_the_arguments_it_ignores(tmp_path,
         assert "ignoring" not in caplog.text
     finally:
         w.remove()
+
+
+def test_a_trace_path_that_cannot_be_written_is_named(tmp_path):
+    """watch(trace=) where the trace cannot be made (under a file, a read-only folder): an error that
+    names the path and says what to do (it was a bare FileExistsError / sqlite3 "unable to open
+    database file"), and the next watch() with a good path records."""
+    from ampdoctor.trace import TraceUnwritable
+
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    model = nn.Linear(2, 2)
+    with pytest.raises(TraceUnwritable, match=r"cannot write the trace at .*file.*give watch\(trace=\.\.\.\)"):
+        ampdoctor.watch(model, trace=str(blocker / "t.sqlite"))
+    with ampdoctor.watch(model, trace=str(tmp_path / "ok.sqlite")) as w:
+        model(torch.randn(3, 2)).sum().backward()
+    assert w.trace_path == str(tmp_path / "ok.sqlite") or str(w.trace_path) == str(tmp_path / "ok.sqlite")
+    assert TraceReader(tmp_path / "ok.sqlite").stats()
