@@ -63,6 +63,7 @@ def main(db: str, trace_py: str) -> int:
     cache: dict = {}
     meta: list = []
     status = 0
+    seen: set[str] = set()  # the errors said so far
     try:
         while True:
             head = _read(inp, 5)
@@ -99,7 +100,11 @@ def main(db: str, trace_py: str) -> int:
                     break
             except Exception as e:  # a bad row must not lose the rest
                 status = 1
-                print(f"ampdoctor trace writer: {type(e).__name__}: {e}", file=sys.stderr)
+                said = f"{type(e).__name__}: {e}"
+                if said not in seen:  # (a full disk fails every write after it: said once)
+                    seen.add(said)
+                    print(f"ampdoctor trace writer: {said}" + (" (the steps from here on are not written; "
+                          "said once)" if "full" in said else ""), file=sys.stderr)
     finally:
         con.commit()
         con.close()
