@@ -397,7 +397,9 @@ class Watch:
         per parameter (no temporary copy) and one host read per device, once."""
         by_dev: dict[Any, list[tuple[int, torch.Tensor]]] = {}
         for lid, _, p in self._params:
-            if p is not None and p.is_floating_point() and p.numel() and p.layout == torch.strided and not p.is_meta:
+            # (plain tensors only: a DTensor's reduction would be a collective)
+            if p is not None and type(p.data) is _Tensor and p.is_floating_point() and p.numel() and \
+                    p.layout == torch.strided and not p.is_meta:
                 by_dev.setdefault(p.device, []).append((lid, p))
         bad: list[int] = []
         try:
@@ -988,7 +990,8 @@ def watch(model: nn.Module, *, format: str | None = None, every: int | None = No
 
     Under ``ampdoctor run``/``bisect`` the CLI's configuration wins over these arguments (the
     trial decides what is forced to FP32, the step budget and the trace path). Calling it on a
-    model that is already watched returns the existing handle. Never syncs with the device.
+    model that is already watched returns the existing handle. Syncs with the device once, as it
+    begins (the weights' NaN/Inf check: one host read per device), and never after.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"ampdoctor.watch expects a torch.nn.Module, got {type(model).__name__}; "
