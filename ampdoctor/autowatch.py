@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from .session import Session
+from .steps import closure_given
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class AutoWatch:
         self._filter = warnings.filters[0]
 
     def _opt_pre(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
-        self._closure_step = callable(args[1] if len(args) > 1 else kwargs.get("closure"))
+        self._closure_step = closure_given(args, kwargs)
 
     def _opt_post(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
         self._closure_step = False

@@ -8,6 +8,7 @@ tensors here; :meth:`Session.end_step` reads them all with one host transfer.
 from __future__ import annotations
 
 import atexit
+import functools
 import logging
 import math
 import operator
@@ -34,16 +35,11 @@ from .config import RunConfig
 from .formats import AUTO, READINESS_WHY, Format, detect_format, get_format
 from .hostcopy import HostCopy as _HostCopy
 from .rows import RowPolicy, StepRows
-from .steps import StepTracker
+from .steps import StepTracker, closure_given
 from .trace import TraceWriter
 
 log = logging.getLogger(__name__)
 _get_ident = threading.get_ident
-
-
-def _on_host(scalars: dict) -> bool:
-    """A step's loss, scale and skip flag are all CPU tensors (or none): reading them costs no sync."""
-    return all(v is None or v.device.type == "cpu" for v in (scalars["loss"], scalars["scale"], scalars["skipped"]))
 _weakref = weakref.ref
 
 _lid_name = operator.itemgetter(0, 1)  # (lid, name) of a parameter entry
@@ -134,6 +130,23 @@ def _grads_held(row_meta: list, host_rows: np.ndarray) -> str | None:
     return "nan" if (g[:, _NAN] != 0).any() else "finite"
 
 
+def _on_host(scalars: dict) -> bool:
+    """A step's loss, scale and skip flag are all CPU tensors (or none): reading them costs no sync."""
+    return all(v is None or v.device.type == "cpu" for v in (scalars["loss"], scalars["scale"], scalars["skipped"]))
+
+
+def _training_thread_only(method: Any) -> Any:
+    """A step tracker's report (backward, optimizer, GradScaler) from a thread other than the one whose
+    training the session records is left out (see :meth:`Session.claim_thread`)."""
+    @functools.wraps(method)
+    def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if self._owner is not None and _get_ident() != self._owner:
+            return None
+        return method(self, *args, **kwargs)
+
+    return wrapper
+
+
 class Session:
     """One per process. Created by the first ``watch()`` (or by the CLI runner)."""
 
@@ -141,7 +154,6 @@ class Session:
         self.config = config or RunConfig()
         # "auto": fp16 until the first watched forward decides it (resolve_format), before anything is measured
         self._fmt_auto = str(self.config.format).lower() == AUTO
-        self._fmt_provisional = False  # the format was decided in a no-grad call not yet known to be training
         self._owner: int | None = None  # the thread that trains the watched models (see claim_thread)
         self.foreign_notes: list[str] = []  # notes from other threads, written at the next step's end
         # fp16 for want of autocast or half parameters in the first forward: a later forward of step 0 that
@@ -337,7 +349,6 @@ class Session:
         if got is None:
             return
         self._fmt_auto = False
-        self._fmt_provisional = self._provisional  # decided in a call that may turn out to be evaluation
         name, why = got
         self.fmt_defaulted = why == READINESS_WHY
         if name != self.fmt.name:
@@ -401,8 +412,6 @@ class Session:
         if grad:
             if self._provisional:
                 self._drop_provisional()
-                if self._fmt_provisional and not self.step:  # a summary's no-grad forward did not decide it
-                    self._fmt_auto = True
             self._grad_call = True
         elif not self._grad_call:
             self._provisional = True
@@ -554,9 +563,8 @@ class Session:
                              "the next step on it is read as soon as it is made. Nothing to fix in your code.")
 
     # -- what the step tracker reports -----------------------------------------------------
+    @_training_thread_only
     def on_backward(self, tensors: Any) -> None:
-        if self._owner is not None and _get_ident() != self._owner:
-            return  # another thread's training (see claim_thread)
         if self._provisional and not self.trained:
             self._drop_provisional()  # the watched calls of this step were evaluation; training is not watched
         self._active = self._worked = True
@@ -583,13 +591,12 @@ class Session:
         if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point() and not t.is_meta:
             self._losses.append(t.detach().reshape(()).to(torch.float64, copy=True))
 
+    @_training_thread_only
     def on_backward_error(self, error: BaseException) -> None:
         """A backward pass raised (the user's code: a custom autograd Function's backward, a shape
         mismatch). Its step's gradients stop where it raised: none are read where the step ends, and
         the first such error is a note and in the trace's metadata (the report's advice says to fix it
         first). Never raises: the user's exception goes on unchanged."""
-        if self._owner is not None and _get_ident() != self._owner:
-            return  # another thread's training (see claim_thread)
         try:
             self._backward_raised = True
             if self._backward_error_said or self.closed:
@@ -608,9 +615,8 @@ class Session:
         except Exception as e:  # pragma: no cover - never mask the user's own error
             log.warning("ampdoctor: could not record the backward pass's error: %s: %s", type(e).__name__, e)
 
+    @_training_thread_only
     def on_scaled_loss(self, scaler: Any, loss: torch.Tensor, scaled: Any = None) -> None:
-        if self._owner is not None and _get_ident() != self._owner:
-            return  # another thread's training (see claim_thread)
         self._active = self._worked = True
         if loss.numel() == 1 and loss.is_floating_point() and not loss.is_meta:
             if not self._scaled_loss_seen:
@@ -623,20 +629,18 @@ class Session:
                 self._scaled_outputs.append((_weakref(scaled), kept))
         self._scaler = scaler
 
+    @_training_thread_only
     def on_first_scale(self, scale: float) -> None:
         """A GradScaler's first ``scale()``, at its ``init_scale``: the scale this step's backward runs with
         (its row in the steps table holds the scale after ``update()``, which may have grown already)."""
-        if self._owner is not None and _get_ident() != self._owner:
-            return  # another thread's training (see claim_thread)
         if not self.closed:
             self.writer.set_meta(first_scale={"step": self.step, "scale": scale})
 
+    @_training_thread_only
     def on_autograd_grad(self, outputs: Any) -> None:
         """``torch.autograd.grad(scaler.scale(loss), params, create_graph=True)``: the gradients of a
         gradient penalty. That loss is backpropagated later inside ``loss + penalty``, scaled again, so
         this scale() call's loss is not counted in the step's loss."""
-        if self._owner is not None and _get_ident() != self._owner:
-            return  # another thread's training (see claim_thread)
         if not self._scaled_outputs:
             return
         outs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
@@ -647,9 +651,8 @@ class Session:
                     self._losses = [x for x in self._losses if x is not kept]
                     break
 
+    @_training_thread_only
     def on_scaler_update(self, scaler: Any, before: torch.Tensor | None, after: torch.Tensor | None) -> None:
-        if self._owner is not None and _get_ident() != self._owner:
-            return  # another thread's training (see claim_thread)
         self._scaler = scaler
         if after is not None:
             self._scale_after = after.detach().reshape(()).to(torch.float64, copy=True)  # (its own copy: update() changes _scale in place)
@@ -681,24 +684,21 @@ class Session:
         for w in self.watches:
             w.arm()
 
+    @_training_thread_only
     def on_optimizer_step_begin(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
         """``optimizer.step(closure)`` (LBFGS, and any optimizer given one) calls the closure, forward
         and backward, as often as it needs: the step's loss is the first call's (what ``step()``
         returns), not the sum of them all (:meth:`on_optimizer_step` drops the later ones)."""
-        if self._owner is not None and _get_ident() != self._owner:
-            return  # another thread's training (see claim_thread)
-        closure = args[1] if len(args) > 1 else kwargs.get("closure")  # (args: the optimizer, then step's own)
         self._closure_losses_from = None
-        if callable(closure):
+        if closure_given(args, kwargs):
             self.closure_step_began()
 
     def closure_step_began(self) -> None:
         """An ``optimizer.step(closure)`` is in progress from here (see :meth:`on_optimizer_step_begin`)."""
         self._closure_losses_from = len(self._losses)
 
+    @_training_thread_only
     def on_optimizer_step(self, optimizer: Any) -> None:
-        if self._owner is not None and _get_ident() != self._owner:
-            return  # another thread's training (see claim_thread)
         start, self._closure_losses_from = self._closure_losses_from, None
         if start is not None and len(self._losses) > start + 1:
             del self._losses[start + 1:]
@@ -715,11 +715,10 @@ class Session:
             return  # a second optimizer right after the first (one backward for both): same unit
         self._unit_ends(self._opt_id(optimizer))
 
+    @_training_thread_only
     def on_scaler_step(self, scaler: Any, optimizer: Any) -> None:
         """``GradScaler.step(optimizer)``: that optimizer is in this update()'s unit, also when the
         scaler skips its step (no optimizer step runs then)."""
-        if self._owner is not None and _get_ident() != self._owner:
-            return  # another thread's training (see claim_thread)
         self._unit_opts.add(self._opt_id(optimizer))
 
     def _opt_id(self, optimizer: Any) -> int:

@@ -62,6 +62,11 @@ def _scaler_classes() -> list[type]:
     return classes
 
 
+def closure_given(args: tuple, kwargs: dict) -> bool:
+    """An optimizer step pre-hook's ``(args, kwargs)`` (the optimizer first) hold a closure (LBFGS)."""
+    return callable(args[1] if len(args) > 1 else kwargs.get("closure"))
+
+
 def _notify_first(orig: Callable, notify: Callable[[Any], None], arg: str | None = None) -> Callable:
     """``orig``, wrapped to call ``notify`` with its first argument (given by position, or by the
     keyword ``arg``) before it runs. (Callers pass a lambda that looks the sink's method up at each

@@ -582,24 +582,24 @@ class Watch:
                 return  # (inference tensors have no version counter: evaluation under inference_mode is not recorded)
             if self._eval is not None:
                 return  # inside an evaluation call
-            if not self._depth and not s.claim_thread():
-                return self.go_foreign()  # another thread trains the watched model(s): this one is left alone
-            if not self._depth and s.trained and not _grad_enabled():
-                self._eval = lid  # an outermost call with gradients disabled after training started: evaluation
-                return
-            if not self._depth and _functorch_level() is not None:
-                self._eval = lid  # inside vmap/grad: not recorded, as an evaluation call is not, but the
-                s._active = True  # step did work (its optimizer step ends it)
-                s.note_layer(lid, _FUNCTORCH_NOTE)
-                return
-            if not self._depth and not s.trained:
-                s.outermost_call(_grad_enabled())  # before any backward: is it evaluation? (see Session.outermost_call)
-                if s.fmt_defaulted and not s.step:
-                    s.recheck_format(self.root)
+            if not self._depth:  # an outermost call
+                if not s.claim_thread():
+                    return self.go_foreign()  # another thread trains the watched model(s): this one is left alone
+                if s.trained and not _grad_enabled():
+                    self._eval = lid  # gradients disabled after training started: evaluation
+                    return
+                if _functorch_level() is not None:
+                    self._eval = lid  # inside vmap/grad: not recorded, as an evaluation call is not, but the
+                    s._active = True  # step did work (its optimizer step ends it)
+                    s.note_layer(lid, _FUNCTORCH_NOTE)
+                    return
+                if not s.trained:
+                    s.outermost_call(_grad_enabled())  # before any backward: is it evaluation? (Session.outermost_call)
+                    if s.fmt_defaulted and not s.step:
+                        s.recheck_format(self.root)
+                self._call_mark = s.rows_mark()  # what its rows start from, should it raise
             if s._fmt_auto:  # the first watched forward: the run's format, if none was given (see resolve_format)
                 s.resolve_format(self.root, final=False)
-            if not self._depth:  # an outermost call: what its rows start from, should it raise
-                self._call_mark = s.rows_mark()
             self._depth += 1
             if layer.ord is None:
                 s.mark_order(lid)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shlex
 import signal
+import stat
 import sys
 from pathlib import Path
 
@@ -41,8 +42,6 @@ def _progress(kind: str, info: dict) -> None:
 def _stdin_piped() -> bool:
     """bisect's stdin is a pipe or a file (``echo 60 | ampdoctor bisect ...``), not a terminal or nothing."""
     try:
-        import stat
-
         mode = os.fstat(0).st_mode
         return stat.S_ISFIFO(mode) or (stat.S_ISREG(mode) and os.fstat(0).st_size > 0)
     except (OSError, ValueError):

@@ -168,8 +168,8 @@ def _aggregate(reader: TraceReader, fmt: Format, layers: dict[int, dict]) -> lis
         a = {k: sum(p[k] for p in parts) for k in ("rows", "numel", "overflow", "subnormal", "flush_to_zero", "nan",
                                                    "posinf", "neginf", "bytes")}
         absmax = max(0.0, *(p["absmax"] for p in parts))
-        lows = [p["min"] for p in parts if p.get("min") is not None]
-        highs = [p["max"] for p in parts if p.get("max") is not None]
+        lows = [p["min"] for p in parts if p["min"] is not None]
+        highs = [p["max"] for p in parts if p["max"] is not None]
         bads = [p["first_bad"] for p in parts if p["first_bad"] is not None]
         first_step = min(p["first_step"] for p in parts)
         steps = parts[0]["steps"] if len(parts) == 1 else reader.step_count(lid, kind)
