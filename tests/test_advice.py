@@ -921,3 +921,28 @@ def test_the_first_steps_scale_is_the_grad_scalers_init_scale(tmp_path):
     with ampdoctor.watch(nn.Linear(4, 1), trace=tmp_path / "u.sqlite") as w:
         sc2.scale(w.model(torch.randn(2, 4)).sum()).backward()
     assert "first_scale" not in build_report(tmp_path / "u.sqlite").meta
+
+
+def test_absmax_just_past_the_fp16_max_is_not_printed_as_the_max(tmp_path):
+    """An fp32 output of 65505 lies past fp16's max 65504 (it rounds back to 65504 when cast, 65520 would
+    not): the report must not print both as 6.55e+04. Whole numbers from 1e4 up to 1e5."""
+    import torch
+    from torch import nn
+
+    import ampdoctor
+    from ampdoctor.report.phrasing import fmt_num
+    from ampdoctor.report.text import render_text
+
+    assert [fmt_num(v) for v in (65504.0, 65505.0, -65519.9, 12345.4, 99999.6, 1e5, 0.00123)] == \
+        ["65504", "65505", "-65520", "12345", "1.00e+05", "1.00e+05", "0.00123"]
+
+    class Const(nn.Module):
+        def forward(self, x):
+            return x * 0 + 65505.0
+
+    model = nn.Sequential(nn.Linear(4, 4), Const())
+    trace = tmp_path / "t.sqlite"
+    with ampdoctor.watch(model, trace=str(trace)):
+        model(torch.randn(3, 4)).sum().backward()
+    text = " ".join(render_text(build_report(trace)).split())
+    assert " 65505 " in text and "6.55e+04" not in text, text

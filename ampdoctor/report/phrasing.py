@@ -17,12 +17,15 @@ def plural(n: int, word: str, words: str | None = None) -> str:
 
 
 def fmt_num(v: float) -> str:
-    """Three significant digits, in scientific notation outside ``[1e-3, 1e5)``."""
+    """Three significant digits, in scientific notation outside ``[1e-3, 1e5)``; whole numbers in
+    ``[1e4, 1e5)``, so a value just past the fp16 max (65505) does not print as the max itself."""
     if v == 0:
         return "0"
     if not math.isfinite(v):
         return "inf" if v > 0 else "-inf"
-    return f"{v:.3g}" if 1e-3 <= abs(v) < 1e5 else f"{v:.2e}"
+    if 1e4 <= abs(v) and abs(round(v)) < 1e5:
+        return f"{v:.0f}"
+    return f"{v:.3g}" if 1e-3 <= abs(v) < 1e4 else f"{v:.2e}"
 
 
 def fmt_pct(v: float) -> str:
