@@ -174,6 +174,7 @@ class Session:
         self.writer.commit()
         self.tracker = StepTracker(self)
         self._exc_at_start = getattr(sys, "last_value", None)
+        self._sys_exit: tuple[Any, int] | None = None  # (the code of the last sys.exit() call, self.step then)
         if not owned:  # a watch never removed still ends its trace properly at exit
             atexit.register(self._at_exit)
         self.watches: list[Any] = []
@@ -1311,12 +1312,24 @@ class Session:
         """``os._exit(code)`` in a script whose watch was never removed (see ``steps._exit_wrapper``)."""
         self.close("finished" if code == 0 else "exited", exit_code=code if isinstance(code, int) else None)
 
+    def on_sys_exit(self, code: Any) -> None:
+        """``sys.exit(code)`` in a script whose watch was never removed (see ``steps._sys_exit_wrapper``)."""
+        self._sys_exit = (code, self.step)
+
     def _at_exit(self) -> None:
         """The end of a script whose watch was never removed: how it ended, as ``ampdoctor run``
         records it. An uncaught exception that ends the interpreter is left in ``sys.last_value``
-        before exit handlers run (a KeyboardInterrupt: interrupted)."""
+        before exit handlers run (a KeyboardInterrupt: interrupted); a ``SystemExit`` is not, so the
+        code of the last ``sys.exit()`` is taken, unless steps were trained after it (it was caught)."""
         exc = getattr(sys, "last_value", None)
-        if exc is None or exc is self._exc_at_start:
+        if (exc is None or exc is self._exc_at_start) and self._sys_exit is not None \
+                and self._sys_exit[1] == self.step and self._sys_exit[0] not in (None, 0):
+            code = self._sys_exit[0]
+            if isinstance(code, int):
+                self.close("exited", exit_code=code)
+            else:  # sys.exit("message"): Python prints it and exits with status 1
+                self.close("exited", exit_code=1, error=str(code))
+        elif exc is None or exc is self._exc_at_start:
             self.close()
         elif isinstance(exc, KeyboardInterrupt):
             self.close("interrupted", error="KeyboardInterrupt")

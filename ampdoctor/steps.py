@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from typing import Any, Callable
 
 import torch
@@ -116,6 +117,22 @@ def _exit_wrapper(orig: Callable, sink: Any) -> Callable:
     return _exit
 
 
+def _sys_exit_wrapper(orig: Callable, sink: Any) -> Callable:
+    """``sys.exit``, wrapped to tell ``sink`` the status first: the ``SystemExit`` it raises ends the
+    interpreter without leaving itself in ``sys.last_value``, so the exit handler that ends the trace
+    of a watch never removed cannot see it (a ``sys.exit(7)`` was stamped "finished")."""
+
+    @functools.wraps(orig)
+    def exit(*args: Any) -> None:
+        try:
+            sink.on_sys_exit(args[0] if args else None)
+        except Exception as e:  # noqa: BLE001 - the exit must happen
+            log.warning("ampdoctor: could not note sys.exit(): %s: %s", type(e).__name__, e)
+        orig(*args)
+
+    return exit
+
+
 class StepTracker:
     """Installs the patches and forwards what they see to ``sink`` (the session)."""
 
@@ -151,6 +168,7 @@ class StepTracker:
             lambda opt, args, kwargs: sink.on_optimizer_step(opt))
         if not getattr(sink, "owned", True):  # (the CLI's runner ends its own session at os._exit)
             self._patch(os, "_exit", _exit_wrapper(os._exit, sink))
+            self._patch(sys, "exit", _sys_exit_wrapper(sys.exit, sink))
         self.installed = True
 
     def uninstall(self) -> None:

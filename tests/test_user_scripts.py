@@ -405,20 +405,37 @@ if sys.argv[2] == "int":
     raise KeyboardInterrupt
 if sys.argv[2] == "raise":
     raise RuntimeError("boom")
+if sys.argv[2] == "exit7":
+    sys.exit(7)
+if sys.argv[2] == "exitmsg":
+    sys.exit("bad config")
+if sys.argv[2] == "exit0":
+    sys.exit(0)
+if sys.argv[2] == "caught":  # a SystemExit caught, then more training: the run ends normally
+    try:
+        sys.exit(4)
+    except SystemExit:
+        pass
+    m(torch.randn(2, 4)).sum().backward(); opt.step(); opt.zero_grad()
 '''
 
 
-@pytest.mark.parametrize("how, status", [("raise", "crashed"), ("int", "interrupted"), ("ok", "finished")])
-def test_a_watched_script_that_dies_is_not_recorded_as_finished(tmp_path, how, status):
+@pytest.mark.parametrize("how, status, code", [("raise", "crashed", 1), ("int", "interrupted", 1), ("ok", "finished", 0),
+                                               ("exit7", "exited", 7), ("exitmsg", "exited", 1), ("exit0", "finished", 0),
+                                               ("caught", "finished", 0)])
+def test_a_watched_script_that_dies_is_not_recorded_as_finished(tmp_path, how, status, code):
     # a script calling watch() itself (no `ampdoctor run`), never removing it: the trace says how it ended
     script = tmp_path / "dies.py"
     script.write_text(DIES)
     trace = tmp_path / "t.sqlite"
     p = subprocess.run([sys.executable, str(script), str(trace), how], capture_output=True, text=True, cwd=ROOT,
                        timeout=120)
-    assert (p.returncode != 0) == (how != "ok"), p.stderr
+    assert p.returncode == (code if how != "int" else p.returncode) and (p.returncode != 0) == (code != 0), p.stderr
     meta = TraceReader(trace).meta()
-    assert meta["status"] == status and len(TraceReader(trace).steps()) == 3
+    assert meta["status"] == status and len(TraceReader(trace).steps()) == (4 if how == "caught" else 3), meta
+    if status == "exited":  # sys.exit(7), sys.exit("message"): the report says the script's status
+        assert meta["exit_code"] == code, meta
+        assert any(f"The script exited with status {code}" in line for line in build_report(trace).diagnosis.lines)
     if how == "raise":
         assert "RuntimeError: boom" in meta["error"]
         assert any("The script raised" in line for line in build_report(trace).diagnosis.lines)
