@@ -1310,7 +1310,17 @@ class Session:
 
     def on_hard_exit(self, code: Any) -> None:
         """``os._exit(code)`` in a script whose watch was never removed (see ``steps._exit_wrapper``)."""
-        self.close("finished" if code == 0 else "exited", exit_code=code if isinstance(code, int) else None)
+        self._close_with_exit_code(code)
+
+    def _close_with_exit_code(self, code: Any) -> None:
+        """Ends the trace as a process exiting with ``code`` ends: ``None`` or 0 finished; another int
+        exited with it; anything else (``sys.exit("message")``) exited 1, the message printed."""
+        if code is None or code == 0:
+            self.close("finished", exit_code=0)
+        elif isinstance(code, int):
+            self.close("exited", exit_code=code)
+        else:
+            self.close("exited", exit_code=1, error=str(code))
 
     def on_sys_exit(self, code: Any) -> None:
         """``sys.exit(code)`` in a script whose watch was never removed (see ``steps._sys_exit_wrapper``)."""
@@ -1322,15 +1332,9 @@ class Session:
         before exit handlers run (a KeyboardInterrupt: interrupted); a ``SystemExit`` is not, so the
         code of the last ``sys.exit()`` is taken, unless steps were trained after it (it was caught)."""
         exc = getattr(sys, "last_value", None)
-        if (exc is None or exc is self._exc_at_start) and self._sys_exit is not None \
-                and self._sys_exit[1] == self.step and self._sys_exit[0] not in (None, 0):
-            code = self._sys_exit[0]
-            if isinstance(code, int):
-                self.close("exited", exit_code=code)
-            else:  # sys.exit("message"): Python prints it and exits with status 1
-                self.close("exited", exit_code=1, error=str(code))
-        elif exc is None or exc is self._exc_at_start:
-            self.close()
+        if exc is None or exc is self._exc_at_start:
+            code, at = self._sys_exit or (None, self.step)
+            self._close_with_exit_code(code if at == self.step else None)
         elif isinstance(exc, KeyboardInterrupt):
             self.close("interrupted", error="KeyboardInterrupt")
         else:
