@@ -12,7 +12,8 @@ kind byte, the payload.
   C  commit
   F  commit, then answer "ok" on stdout
   X  stop: commit and exit
-End of input (the training process closed the pipe, or died): commit and exit. Interrupts are
+End of input (the training process closed the pipe, or died): commit and exit (a trace deleted
+meanwhile is written again: ``trace.keep_if_deleted``). Interrupts are
 ignored: a Ctrl-C in the terminal reaches this process too, and what it holds must be written.
 """
 
@@ -52,6 +53,7 @@ def main(db: str, trace_py: str) -> int:
     trace = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(trace)
     con = trace._connect(db)
+    opened = trace.file_id(db)
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     try:
         out.write(b"ready\n")  # the sender waits for this before it sends anything
@@ -107,6 +109,7 @@ def main(db: str, trace_py: str) -> int:
                           "said once)" if "full" in said else ""), file=sys.stderr)
     finally:
         con.commit()
+        trace.keep_if_deleted(con, db, opened)  # its run folder removed mid-run: written again
         con.close()
     return status
 

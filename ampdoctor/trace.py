@@ -103,6 +103,39 @@ def _connect(path: str | os.PathLike) -> sqlite3.Connection:
     return con
 
 
+def file_id(path: str | os.PathLike) -> tuple[int, int] | None:
+    """(device, inode) of the file at ``path``, or None where there is none."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def keep_if_deleted(con: sqlite3.Connection, path: str | os.PathLike, opened: tuple[int, int] | None) -> bool:
+    """Where the trace ``con`` writes was deleted while it was open (its run folder removed
+    mid-run: the connection still holds every row), write it again at ``path``, the folder made
+    again, and say so on stderr; True if it did. A file put at ``path`` meanwhile is left alone."""
+    if opened is None or file_id(path) is not None:
+        return False
+    import sys
+    try:
+        con.commit()
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        dst = sqlite3.connect(str(path))
+        try:
+            con.backup(dst)
+        finally:
+            dst.close()
+    except (OSError, sqlite3.Error) as e:
+        print(f"ampdoctor: the trace {path} was deleted while the run wrote it, and could not be written "
+              f"again ({type(e).__name__}: {e}); what was recorded is lost", file=sys.stderr)
+        return False
+    print(f"ampdoctor: the trace {path} was deleted while the run wrote it (its folder removed?); "
+          "written again from what the writer held", file=sys.stderr)
+    return True
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -435,6 +468,7 @@ class TraceWriter:
     # -- consumer thread -------------------------------------------------------------------
     def _loop(self) -> None:
         con = None
+        opened = None  # the file con opened (see keep_if_deleted)
         pending = 0
         stats_sql: dict[int, str] = {}
         # Until the writer process says it is ready (its start takes about half a second), this thread
@@ -472,6 +506,7 @@ class TraceWriter:
                         self._child = None
                 if con is None:
                     con = _connect(self.path)
+                    opened = file_id(self.path)
                 if item is _STOP:
                     break
                 if isinstance(item, threading.Event):
@@ -503,6 +538,7 @@ class TraceWriter:
             if con is not None:
                 try:
                     con.commit()
+                    keep_if_deleted(con, self.path, opened)
                     con.close()
                 except Exception:
                     pass

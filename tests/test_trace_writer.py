@@ -216,3 +216,26 @@ def test_what_comes_before_the_writer_process_is_ready_is_committed_at_once(tmp_
     w.close()
     r = TraceReader(tmp_path / "t.sqlite")
     assert [s["step"] for s in r.stats()] == [0, 0, 0, 1, 1, 1] and r.meta()["status"] == "running"
+
+
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_a_run_folder_deleted_mid_run_is_written_again(tmp_path, monkeypatch, capfd, mode):
+    # `rm -rf` of the run folder while the script trains: the writer still holds every row (its
+    # file is open), and writes the trace again where it was, with the steps after the deletion
+    import shutil
+    monkeypatch.setenv(trace_mod.WRITER_ENV, mode)
+    path = tmp_path / "run" / "trace.sqlite"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    w = ampdoctor.watch(model, trace=str(path))
+    train(model, 2)
+    w.session.writer.flush()
+    shutil.rmtree(tmp_path / "run")
+    train(model, 3)
+    w.remove()
+    assert path.exists()
+    r = TraceReader(path)
+    assert [s["step"] for s in r.steps()] == [0, 1, 2, 3, 4]
+    assert r.meta()["status"] == "finished"
+    assert {s["step"] for s in r.stats()} == {0, 1, 2, 3, 4}
+    assert "was deleted while the run wrote it" in capfd.readouterr().err
