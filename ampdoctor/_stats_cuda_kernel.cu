@@ -8,6 +8,7 @@
 //   C             fast path: bin = E + C, with E the exponent field of the value as an fp32
 //   BMAX          magnitude bits of the largest input value <= the format's max
 //   LO_CLAMP, HI_CLAMP, ZERO_IN_BIN0, NEED_OVF, SUBN_SPECIAL, LANE_HIST: see stage1
+//   PREFETCH, BIN_LUT  the other inputs: loads issued a step ahead; the bin of E from a table
 //   PACKED        fp16 inputs whose every finite value has a bin E + C (no clamp, no overflow bin):
 //                 the fast path works on two elements per 32-bit word (fast_word)
 //   NT            threads per block
@@ -118,7 +119,29 @@ DEV int key_of(u32 bits) {
 
 // One element, fast path: no NaN/Inf (and, with SUBN_SPECIAL, no subnormal input) in the chunk;
 // a chunk that has any is measured again by slow_el (see stage1).
-DEV void fast_el(u32 bits, float& vmin, float& vmax, u32& vabs, u32& vnzm1, u32& emax, u32* h) {
+// The bin of exponent field E on the fast path: E + C clamped to the format's bins (NaN/Inf
+// only to P - 1, their chunk is measured again), zero (E = 0) to NB; with BIN_LUT a table of the
+// 256 values of E in shared memory (bf16/fp32 subnormals, E = 0 too, are then measured again).
+DEV int bin_of(u32 e, u32 a) {
+    int code = (int)e + C;
+#if LO_CLAMP
+    code = max(code, 0);
+#endif
+#if HI_CLAMP
+    code = min(code, NB - 1);
+#else
+    code = min(code, P - 1);
+#endif
+#if !ZERO_IN_BIN0
+    code = (a == 0) ? NB : code;
+#endif
+    return code;
+}
+
+// One element, fast path: no NaN/Inf (and, with SUBN_SPECIAL, no subnormal input) in the chunk;
+// a chunk that has any is measured again by slow_el (see stage1). No maximum of E is kept: E is
+// largest where the magnitude bits are, so vabs >= INFB says a NaN/Inf was seen.
+DEV void fast_el(u32 bits, float& vmin, float& vmax, u32& vabs, u32& vnzm1, u32* h, const unsigned char* lut) {
     u32 a = bits & MAG;
     float f = to_float(bits);
 #if DT == 0
@@ -130,32 +153,24 @@ DEV void fast_el(u32 bits, float& vmin, float& vmax, u32& vabs, u32& vnzm1, u32&
     vmax = fmaxf(vmax, f);
     vabs = max(vabs, a);
     vnzm1 = min(vnzm1, a - 1u);  // zero wraps to the largest value
-    emax = max(emax, e);
-    int code = (int)e + C;
-#if LO_CLAMP
-    code = max(code, 0);
-#endif
-#if HI_CLAMP
-    code = min(code, NB - 1);
+#if BIN_LUT
+    int code = (int)lut[e];
 #else
-    code = min(code, P - 1);  // only NaN/Inf get here, and their chunk is measured again
+    int code = bin_of(e, a);
 #endif
 #if NEED_OVF
     code = (code == NB - 2 && a > (u32)BMAX) ? NB + 4 : code;
-#endif
-#if !ZERO_IN_BIN0
-    code = (a == 0) ? NB : code;
 #endif
     HIST_ADD(h, code);
 }
 
 // The element(s) of one 32-bit word of a 16-byte vector: one fp32, or two 16-bit halves.
-DEV void fast_vword(u32 w, float& vmin, float& vmax, u32& vabs, u32& vnzm1, u32& emax, u32* h) {
+DEV void fast_vword(u32 w, float& vmin, float& vmax, u32& vabs, u32& vnzm1, u32* h, const unsigned char* lut) {
 #if DT == 2
-    fast_el(w, vmin, vmax, vabs, vnzm1, emax, h);
+    fast_el(w, vmin, vmax, vabs, vnzm1, h, lut);
 #else
-    fast_el(w & 0xFFFFu, vmin, vmax, vabs, vnzm1, emax, h);
-    fast_el(w >> 16, vmin, vmax, vabs, vnzm1, emax, h);
+    fast_el(w & 0xFFFFu, vmin, vmax, vabs, vnzm1, h, lut);
+    fast_el(w >> 16, vmin, vmax, vabs, vnzm1, h, lut);
 #endif
 }
 
@@ -255,6 +270,12 @@ extern "C" __global__ void stage1(const Table table, int m, int g0, int g1, int 
         sh_t[1] = (c - first[lo]) * clen[lo];
     }
     for (int i = tid; i < HIST_WORDS; i += nt) hs[i] = 0u;
+#if BIN_LUT && !PACKED
+    __shared__ unsigned char lut[256];
+    for (int i = tid; i < 256; i += nt) lut[i] = (unsigned char)(i == 0 ? NB : bin_of((u32)i, 1u));
+#else
+    const unsigned char* lut = 0;
+#endif
     __syncthreads();
     const int ti = (int)sh_t[0];
     const i64 s = sh_t[1];
@@ -311,34 +332,51 @@ extern "C" __global__ void stage1(const Table table, int m, int g0, int g1, int 
               (mn & 0xFFFFu) == 0xFC00u || (mn >> 16) == 0xFC00u;
 #else
     float vmin = __uint_as_float(0x7F800000u), vmax = -vmin;
-    u32 vabs = 0u, vnzm1 = 0xFFFFFFFFu, emax = 0u;
+    u32 vabs = 0u, vnzm1 = 0xFFFFFFFFu;
     // s is a multiple of 1024 elements and the tensor 16-byte aligned: whole 16-byte vectors first
     const uint4* vp = (const uint4*)(base + s);
     const i64 nvec = (e - s) / VEC;
     i64 v = tid;
+#if PREFETCH
+    uint4 q0, q1;
+    if (v + nt < nvec) {
+        q0 = vp[v];
+        q1 = vp[v + nt];
+    }
+    for (; v + nt < nvec; v += 2 * nt) {
+        u32 w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+        if (v + 3 * nt < nvec) {  // the next pair's loads in flight while this one is counted
+            q0 = vp[v + 2 * nt];
+            q1 = vp[v + 3 * nt];
+        }
+#pragma unroll
+        for (int k = 0; k < 8; ++k) fast_vword(w[k], vmin, vmax, vabs, vnzm1, h, lut);
+    }
+#else
     for (; v + nt < nvec; v += 2 * nt) {
         uint4 q0 = vp[v];
         uint4 q1 = vp[v + nt];
         u32 w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
 #pragma unroll
-        for (int k = 0; k < 8; ++k) fast_vword(w[k], vmin, vmax, vabs, vnzm1, emax, h);
+        for (int k = 0; k < 8; ++k) fast_vword(w[k], vmin, vmax, vabs, vnzm1, h, lut);
     }
+#endif
     for (; v < nvec; v += nt) {
         uint4 q0 = vp[v];
         u32 w[4] = {q0.x, q0.y, q0.z, q0.w};
 #pragma unroll
-        for (int k = 0; k < 4; ++k) fast_vword(w[k], vmin, vmax, vabs, vnzm1, emax, h);
+        for (int k = 0; k < 4; ++k) fast_vword(w[k], vmin, vmax, vabs, vnzm1, h, lut);
     }
     for (i64 i = s + nvec * VEC + tid; i < e; i += nt) {
-        fast_el((u32)base[i], vmin, vmax, vabs, vnzm1, emax, h);
+        fast_el((u32)base[i], vmin, vmax, vabs, vnzm1, h, lut);
     }
     kmin = key_of(from_float(vmin));
     kmax = key_of(from_float(vmax));
     kabs = (int)vabs;
     knz = vnzm1 == 0xFFFFFFFFu ? INFB : (int)(vnzm1 + 1u);
-    special = emax == 0xFFu;
-#if SUBN_SPECIAL
-    special |= knz < (1 << MB);  // a subnormal input: its bin is not E + C
+    special = vabs >= (u32)INFB;  // a NaN or an Inf
+#if SUBN_SPECIAL || (BIN_LUT && DT != 0)
+    special |= knz < (1 << MB);  // a subnormal input: its bin is not the fast path's
 #endif
 #endif
     if (__syncthreads_or(special)) {  // rare: NaN/Inf (or subnormals): measure the chunk again, exactly

@@ -62,6 +62,22 @@ def _values(dtype, n, seed, special: bool):
 CASES = [(n, special) for n in (1, 9, 1023, 1024, 3000, 20_011) for special in (False, True)]
 
 
+def _normal_values(dtype, n, seed):
+    """Finite values with no subnormal in the input dtype (so whole chunks stay on the fast path,
+    the bin table of fp32/bf16 inputs included), from far below the format's subnormals to far
+    above its max, with values right around 65504, the fp16 normal and subnormal limits planted."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g, dtype=torch.float64) * torch.exp2(torch.randint(-60, 40, (n,), generator=g).double())
+    near = torch.tensor([65504.0, 65505.0, 65519.0, 65519.99, 65520.0, 65535.9, 65536.0, -65504.5, -65536.0,
+                         2.0 ** -14, 2.0 ** -14 * 0.999, 2.0 ** -24, 2.0 ** -25, 2.0 ** -24 * 1.5, 2.0 ** -26,
+                         0.0, -0.0, 57344.0, 448.0, 464.0], dtype=torch.float64)
+    idx = torch.randint(0, n, (max(1, n // 5),), generator=g)
+    x[idx] = near[torch.randint(0, len(near), (len(idx),), generator=g)]
+    x = x.to(dtype)
+    fi = torch.finfo(dtype)
+    return x.masked_fill(~torch.isfinite(x) | ((x != 0) & (x.abs() < fi.tiny)), 1.0)
+
+
 @pytest.mark.parametrize("dtype", list(_stats_nvrtc.KINDS))
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
 def test_emulated_kernel_rows_equal_torch_path(build, dtype, fmt):
@@ -70,6 +86,7 @@ def test_emulated_kernel_rows_equal_torch_path(build, dtype, fmt):
     exe = get(dtype, fmt)
     width = stats.row_width(fmt)
     tensors = [_values(dtype, n, 1000 * n + special, special) for n, special in CASES]
+    tensors += [_normal_values(dtype, n, n) for n in (1024, 5000, 20_480)]
     tensors += [torch.zeros(2048, dtype=dtype), torch.full((1500,), float("nan"), dtype=dtype),
                 torch.full((1100,), 2.0 ** -130, dtype=dtype)]  # fp32/bf16 subnormals (fp16: 0)
     for i, t in enumerate(tensors):
