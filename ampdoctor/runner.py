@@ -255,8 +255,10 @@ def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig
     term_prev = None
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         term_prev = signal.signal(signal.SIGTERM, _raise_terminated)
+    thread_stop = _ThreadStop()  # --max-steps / a decided trial reached in a thread the script started
     try:
         runpy.run_path(str(path), run_name="__main__")
+        thread_stop.check()
     except StopRun as e:
         status, stop_reason, decision = "stopped", e.reason, e.decision
     except SystemExit as e:
@@ -275,12 +277,55 @@ def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig
         err = f"{type(e).__name__}: {e}"
         tb = _user_traceback(e, path)
     finally:
+        thread_stop.remove()
         if term_prev is not None and signal.getsignal(signal.SIGTERM) is _raise_terminated:
             signal.signal(signal.SIGTERM, term_prev)
         if os.getpid() != pid:  # a child the script forked (os.fork) ran to the script's end: its end, not the run's
             _end_forked_child(code, tb)
         result = finish(status, code, err, tb, stop_reason, decision)
     return result
+
+
+class _ThreadStop:
+    """The stop (:class:`StopRun`) raised at a step boundary in a thread the script started: that
+    thread ends quietly (no "Exception in thread" traceback of ours), and the main thread stops too
+    as soon as it runs Python again (after its ``join()``, say), as a stop in the main thread stops
+    the script: through the SIGINT handler, which is ours while the run lasts (a Ctrl-C is still a
+    KeyboardInterrupt). Where the script installed a SIGINT handler of its own, or the run is not
+    in the main thread, the main thread runs on and the run ends as stopped when the script does."""
+
+    def __init__(self) -> None:
+        self.stop: StopRun | None = None
+        self._prev_hook = threading.excepthook
+        threading.excepthook = self._excepthook
+        self._prev_int = None
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            self._prev_int = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _excepthook(self, args: Any) -> None:
+        if args.exc_type is None or not issubclass(args.exc_type, StopRun):
+            return self._prev_hook(args)
+        first = self.stop is None
+        self.stop = self.stop or args.exc_value
+        if first and signal.getsignal(signal.SIGINT) == self._on_sigint:
+            import _thread
+            _thread.interrupt_main()
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self.stop is not None:
+            raise StopRun(self.stop.reason, self.stop.decision)
+        signal.default_int_handler(signum, frame)
+
+    def check(self) -> None:
+        """The script ended: as stopped, if a thread of it was."""
+        if self.stop is not None:
+            raise StopRun(self.stop.reason, self.stop.decision)
+
+    def remove(self) -> None:
+        if threading.excepthook == self._excepthook:
+            threading.excepthook = self._prev_hook
+        if self._prev_int is not None and signal.getsignal(signal.SIGINT) == self._on_sigint:
+            signal.signal(signal.SIGINT, self._prev_int)
 
 
 class Terminated(BaseException):

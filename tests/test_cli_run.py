@@ -53,6 +53,52 @@ def test_max_steps_stops_cleanly(tmp_path):
     assert "stopped the script cleanly" in p.stderr
 
 
+THREAD_TRAIN = """
+import threading, torch
+def work():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    for i in range(50):
+        loss = m(torch.randn(4, 8)).pow(2).mean()
+        opt.zero_grad(); loss.backward(); opt.step()
+    print("worker done")
+t = threading.Thread(target=work)
+t.start()
+t.join()
+print("main done")
+"""
+
+
+def test_max_steps_reached_in_a_thread_stops_the_script_quietly(tmp_path):
+    # the stop is raised in the thread that trains: no "Exception in thread" traceback of ours, and the
+    # main thread stops after its join() as a script training in the main thread would
+    script = tmp_path / "thread_train.py"
+    script.write_text(THREAD_TRAIN)
+    out = tmp_path / "run"
+    p = amp("run", "--out", out, "--max-steps", "3", script)
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stderr and "StopRun" not in p.stderr, p.stderr
+    assert "worker done" not in p.stdout and "main done" not in p.stdout
+    assert "stopped the script cleanly (max_steps) after 3 step(s)" in p.stderr
+    assert len(TraceReader(out / "trace.sqlite").steps()) == 3
+    assert json.loads((out / "report.json").read_text())["meta"]["stop_reason"] == "max_steps"
+
+
+def test_run_script_puts_back_the_thread_excepthook_and_sigint_handler(tmp_path):
+    import signal
+    import threading
+
+    from ampdoctor.config import RunConfig
+    from ampdoctor.runner import run_script
+    script = tmp_path / "thread_train.py"
+    script.write_text(THREAD_TRAIN)
+    hook, handler = threading.excepthook, signal.getsignal(signal.SIGINT)
+    res = run_script(script, [], RunConfig(trace=str(tmp_path / "t.sqlite"), max_steps=2))
+    assert res.status == "stopped" and res.stop_reason == "max_steps"
+    assert threading.excepthook is hook and signal.getsignal(signal.SIGINT) is handler
+
+
 def test_missing_script_is_a_usage_error(tmp_path):
     p = amp("run", tmp_path / "nope.py")
     assert p.returncode == 2
