@@ -66,6 +66,8 @@ def main(db: str, trace_py: str) -> int:
     meta: list = []
     status = 0
     seen: set[str] = set()  # the errors said so far
+    first: dict | None = None  # the first write that failed: kept in the trace's meta, if it still takes it
+    step = None  # the step of the last statistics rows received
     try:
         while True:
             head = _read(inp, 5)
@@ -79,6 +81,7 @@ def main(db: str, trace_py: str) -> int:
                 if kind == b"S":
                     line, raw = payload.split(b"\n", 1)
                     h = json.loads(line)
+                    step = h["step"]
                     rows = np.frombuffer(raw, dtype=np.float64).reshape(h["n"], h["w"])
                     if h["meta"] is not None:  # None: the same row descriptions as the last step's
                         meta = [tuple(m) for m in h["meta"]]
@@ -103,12 +106,18 @@ def main(db: str, trace_py: str) -> int:
             except Exception as e:  # a bad row must not lose the rest
                 status = 1
                 said = f"{type(e).__name__}: {e}"
+                first = first or {"error": said, "step": step}
                 if said not in seen:  # (a full disk fails every write after it: said once)
                     seen.add(said)
                     print(f"ampdoctor trace writer: {said}" + (" (the steps from here on are not written; "
                           "said once)" if "full" in said else ""), file=sys.stderr)
     finally:
-        con.commit()
+        try:
+            con.commit()
+        except Exception as e:  # (a full disk): what did not fit is lost, the rest is kept
+            status = 1
+            first = first or {"error": f"{type(e).__name__}: {e}", "step": step}
+        trace.note_write_error(con, first)
         trace.keep_if_deleted(con, db, opened)  # its run folder removed mid-run: written again
         con.close()
     return status

@@ -112,6 +112,19 @@ def file_id(path: str | os.PathLike) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
+def note_write_error(con: sqlite3.Connection, first: dict | None) -> None:
+    """Keep the first write that failed (``{"error", "step"}``: a full disk, say) in the trace's meta as
+    ``writer_error``, for the report to say the trace is incomplete; a disk too full for that row
+    too leaves the report the step count to go by."""
+    if first is None:
+        return
+    try:
+        con.execute("INSERT OR REPLACE INTO meta VALUES ('writer_error', ?)", (json.dumps(first),))
+        con.commit()
+    except sqlite3.Error:
+        pass
+
+
 def keep_if_deleted(con: sqlite3.Connection, path: str | os.PathLike, opened: tuple[int, int] | None) -> bool:
     """Where the trace ``con`` writes was deleted while it was open (its run folder removed
     mid-run: the connection still holds every row), write it again at ``path``, the folder made
@@ -469,6 +482,8 @@ class TraceWriter:
     def _loop(self) -> None:
         con = None
         opened = None  # the file con opened (see keep_if_deleted)
+        first = None  # the first write that failed (see note_write_error)
+        last_step = None  # the step of the last statistics rows written
         pending = 0
         stats_sql: dict[int, str] = {}
         # Until the writer process says it is ready (its start takes about half a second), this thread
@@ -509,18 +524,21 @@ class TraceWriter:
                     opened = file_id(self.path)
                 if item is _STOP:
                     break
-                if isinstance(item, threading.Event):
-                    con.commit()
-                    pending = 0
-                    item.set()
-                    continue
-                if item is None:
-                    if pending:
-                        con.commit()
-                        pending = 0
-                    continue
-                sql, rows = item
+                sql, rows = (None, []) if item is None or isinstance(item, threading.Event) else item
                 try:
+                    if isinstance(item, threading.Event):
+                        pending = 0
+                        try:
+                            con.commit()
+                        finally:
+                            item.set()
+                        continue
+                    if item is None:
+                        if pending:
+                            pending = 0
+                            con.commit()
+                        continue
+                    last_step = _step_of(sql, rows) if sql in (_STAT_ROWS, _STATS_INSERT) else last_step
                     if sql is _STAT_ROWS:
                         for step, meta, host, nf in rows:
                             _insert_rows(con, _STATS_INSERT, len(STAT_COLUMNS), stat_rows(step, meta, host, nf), stats_sql)
@@ -529,15 +547,22 @@ class TraceWriter:
                     else:
                         con.executemany(sql, rows)
                     pending += len(rows)
-                except sqlite3.Error as e:
+                except sqlite3.Error as e:  # a bad row, a full disk: the rest is still tried
+                    if self._error is None:
+                        log.warning("ampdoctor trace: %s (the rows from here on may not be written; said once)", e)
+                        at = _step_of(sql, rows)
+                        first = {"error": f"{type(e).__name__}: {e}", "step": at if at is not None else last_step}
                     self._error = e
-                    log.warning("ampdoctor trace: %s", e)
         except BaseException as e:  # pragma: no cover
             self._error = e
         finally:
             if con is not None:
                 try:
                     con.commit()
+                except Exception:
+                    pass
+                try:
+                    note_write_error(con, first)
                     keep_if_deleted(con, self.path, opened)
                     con.close()
                 except Exception:
@@ -603,6 +628,14 @@ class TraceWriter:
             log.warning("ampdoctor trace: the writer process did not finish: %s", e)
         if child.returncode:
             log.warning("ampdoctor trace: the writer process exited with status %s", child.returncode)
+
+
+def _step_of(sql: Any, rows: list) -> int | None:
+    """The step of a queue item's statistics rows, where it has one."""
+    try:
+        return int(rows[0][0]) if sql is _STAT_ROWS or sql is _STATS_INSERT else None
+    except (IndexError, TypeError, ValueError):
+        return None
 
 
 class TraceUnwritable(OSError):

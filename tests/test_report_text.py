@@ -185,3 +185,21 @@ def test_long_layer_names_are_not_cut(tmp_path):
     assert wide.exit_code == 0, wide.output
     assert all(any(line.startswith(n + " ") for line in wide.output.splitlines()) for n in names), wide.output
     assert max(len(line) for line in wide.output.splitlines()) > 120
+
+
+def test_a_report_that_cannot_be_written_whole_leaves_none_and_keeps_the_last(tmp_path):
+    # a full disk while report.json/html is written (here a file size limit, which fails the write the
+    # same way): no truncated file, an earlier report at the path stays as it was, no temporary left
+    import subprocess
+    import sys
+    p = tmp_path / "report.json"
+    p.write_text('{"old": true}')
+    code = ("import resource, sys; from ampdoctor.report.model import write_whole\n"
+            "resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))\n"
+            "try:\n    write_whole(sys.argv[1], 'x' * 100_000)\nexcept OSError as e:\n    print('failed', e.errno)\n"
+            "write_whole(sys.argv[2], 'small')\n")
+    r = subprocess.run([sys.executable, "-c", code, str(p), str(tmp_path / "new.json")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.startswith("failed"), r.stderr
+    assert p.read_text() == '{"old": true}'
+    assert (tmp_path / "new.json").read_text() == "small"
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["new.json", "report.json"]

@@ -239,3 +239,53 @@ def test_a_run_folder_deleted_mid_run_is_written_again(tmp_path, monkeypatch, ca
     assert r.meta()["status"] == "finished"
     assert {s["step"] for s in r.stats()} == {0, 1, 2, 3, 4}
     assert "was deleted while the run wrote it" in capfd.readouterr().err
+
+
+FULL_DISK = """
+import resource, sys, torch, ampdoctor
+from torch import nn
+torch.manual_seed(0)
+m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+opt = torch.optim.SGD(m.parameters(), lr=0.01)
+w = ampdoctor.watch(m, trace=sys.argv[1])
+resource.setrlimit(resource.RLIMIT_FSIZE, (200_000, 200_000))  # every file this process (and its writer) grows
+for i in range(40):
+    loss = m(torch.randn(4, 8)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+w.remove()
+print("done")
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork") or sys.platform == "darwin", reason="RLIMIT_FSIZE as a stand-in for a full disk")
+@pytest.mark.parametrize("mode", ["process", "thread"])
+def test_a_trace_that_cannot_be_written_on_is_reported_incomplete(tmp_path, mode):
+    # a disk that fills up mid-run (here: a file size limit, which fails the writes the same way): training
+    # goes on, the steps written are kept, and the report says the trace stops short, and why where it can
+    import subprocess
+
+    from ampdoctor.report.model import build_report
+    script = tmp_path / "full.py"
+    script.write_text(FULL_DISK)
+    path = tmp_path / "t.sqlite"
+    env = dict(os.environ, **{trace_mod.WRITER_ENV: mode})
+    p = subprocess.run([sys.executable, str(script), str(path)], capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0 and "done" in p.stdout, p.stderr
+    rep = build_report(path)
+    held = len(TraceReader(path).steps())
+    assert 0 < held < 40
+    assert rep.diagnosis.steps_seen == held
+    said = [line for line in rep.diagnosis.lines if line.startswith("The trace is incomplete")]
+    assert len(said) == 1 and f"it holds {held} steps of the 40 the run took" in said[0], rep.diagnosis.lines
+    assert "give --out (watch(trace=...)) a folder on another" in said[0]
+
+
+def test_the_report_of_a_complete_trace_says_nothing_is_missing(tmp_path):
+    from ampdoctor.report.model import build_report
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite"), every=10):
+        train(model, 25)
+    rep = build_report(tmp_path / "t.sqlite")
+    assert rep.diagnosis.steps_seen == 25
+    assert not any("incomplete" in line for line in rep.diagnosis.lines)

@@ -12,7 +12,7 @@ import io
 import os
 from typing import Any
 
-from .model import Report
+from .model import Report, write_whole
 
 __all__ = ["CSV_COLUMNS", "render_csv", "write_csv"]
 
@@ -45,5 +45,4 @@ def render_csv(report: Report) -> str:
 
 def write_csv(report: Report, path: str | os.PathLike) -> None:
     """Write :func:`render_csv` to ``path`` (UTF-8)."""
-    with open(path, "w", encoding="utf-8", newline="") as f:
-        f.write(render_csv(report))
+    write_whole(path, render_csv(report))

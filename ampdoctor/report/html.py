@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from ..naming import half_weights_under, root_hint, wrapper_of
-from .model import KIND_TITLES, LayerRow, Report
+from .model import KIND_TITLES, LayerRow, Report, write_whole
 from .phrasing import fmt_bits as _bits
 from .phrasing import fmt_num as _num
 from .phrasing import fmt_pct as _pct
@@ -343,4 +343,4 @@ def write_html(report: Report, path: str | os.PathLike) -> None:
     """Write :func:`render_html` to ``path`` (UTF-8), creating its folder."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(render_html(report), encoding="utf-8")
+    write_whole(p, render_html(report))

@@ -25,6 +25,26 @@ KIND_TITLES = {
 }
 
 
+
+def write_whole(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` whole or not at all: into a file beside it, then renamed
+    over it, so that a full disk or a failure mid-write leaves no truncated report behind (an
+    earlier one at ``path`` stays as it was)."""
+    p = Path(path)
+    if p.is_symlink():
+        p = p.resolve()
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+
 @dataclass
 class LayerRow:
     layer: str
@@ -127,7 +147,7 @@ class Report:
     def to_json(self, path: str | Path | None = None, **kw: Any) -> str:
         text = json.dumps(self.to_dict(**kw), indent=2, allow_nan=False)
         if path is not None:
-            Path(path).write_text(text)
+            write_whole(path, text)
         return text
 
     def to_text(self, **kw: Any) -> str:
@@ -456,11 +476,36 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
             lines.append("The run is still in progress: this shows the steps recorded so far.")
         else:
             lines.append("The run did not finish (killed?): this shows every step committed before it stopped.")
+    lost = _lost_steps(meta, timeline)
+    if lost:
+        lines.append(lost)
     return Diagnosis(
         broke=decision is not None, step=None if decision is None else decision.step,
         reason=None if decision is None else decision.reason, first_nonfinite=fn, lines=lines,
         steps_seen=len(timeline), optimizer_steps=_optimizer_steps(timeline, meta), skipped_steps=skipped,
         first_loss_nonfinite=first_loss_bad)
+
+
+def _lost_steps(meta: dict, timeline: list[dict]) -> str | None:
+    """The trace lacks steps the run took: its writer could not write them (a full disk; ``writer_error``
+    in the meta), or the run's step count says more steps ended than the timeline holds."""
+    err = meta.get("writer_error")
+    took = meta.get("steps")
+    took = took if isinstance(took, int) and not isinstance(took, bool) else None
+    short = took is not None and took > len(timeline)
+    if not isinstance(err, dict) and not short:
+        return None
+    held = (f"it holds {plural(len(timeline), 'step')} of the {took} the run took" if short else
+            f"it holds {plural(len(timeline), 'step')}")
+    if isinstance(err, dict):
+        at = f" at step {err['step']}" if err.get("step") is not None else ""
+        full = "full" in str(err.get("error", "")).lower() or "space" in str(err.get("error", "")).lower()
+        return (f"The trace is incomplete: writing it failed{at} ({err.get('error')}), so {held}; what this shows "
+                "stops there. " + ("Free space on that disk, or give --out (watch(trace=...)) a folder on "
+                                   "another, and run again." if full else "Check that disk (space, quota, a file size limit) or give "
+                                   "--out (watch(trace=...)) a folder on another, and run again."))
+    return (f"The trace is incomplete: {held} (its writer stopped writing: a full disk?); what this shows stops "
+            "there. Free space, or give --out (watch(trace=...)) a folder on another disk, and run again.")
 
 
 def partial_skips(timeline: list[dict]) -> int:
