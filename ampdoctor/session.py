@@ -1287,6 +1287,12 @@ class Session:
                     pass
             if self._stop_caught and status == "finished":
                 status = "stopped"  # (the script caught the stop, and ended on its own later)
+            waited = getattr(self.writer, "waited", 0.0)
+            if waited:
+                self.note(f"the trace writer fell behind (over {self.writer.MAX_PENDING >> 20} MB of rows waiting): "
+                          f"training waited {waited:.1f} s at step boundaries for it to catch up, so the step times "
+                          "of this run are not the script's own; record fewer steps (every=N) on this disk",
+                          waited_s=round(waited, 3))
             self.writer.set_meta(status=status, ended=time.time(), steps=self.step,
                                  optimizer_steps=self.optimizer_steps, **meta)
             self.writer.commit()

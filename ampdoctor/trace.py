@@ -405,6 +405,10 @@ class TraceWriter:
         con.commit()
         con.close()
         self._q: queue.Queue = queue.Queue()
+        # bytes queued (the training thread adds) and written (the writer thread adds): their difference
+        # is what waits in memory; commit() waits while it is over MAX_PENDING (see _catch_up)
+        self._queued = self._written = 0
+        self.waited = 0.0  # seconds the training thread waited for the writer to catch up
         self._closed = False
         self._dirty = False  # rows queued since the last commit marker
         self._error: BaseException | None = None
@@ -443,10 +447,26 @@ class TraceWriter:
         self._put("INSERT INTO events (step, kind, layer, detail) VALUES (?, ?, ?, ?)",
                   [(step, event, layer, json.dumps(detail, default=str))])
 
+    MAX_PENDING = 1 << 30  # bytes of rows the writer may fall behind by before commit() waits for it
+
     def commit(self) -> None:
         if not self._closed and self._dirty:  # (nothing queued since the last commit: nothing to commit)
             self._dirty = False
             self._q.put(None)
+            if self._queued - self._written > self.MAX_PENDING:
+                self._catch_up()
+
+    def _catch_up(self) -> None:
+        """The writer is more than MAX_PENDING bytes behind (a slow disk, a huge model recorded every
+        step): wait at this step boundary until it is within half of that, so that the rows waiting
+        in memory stay bounded. Said once; the time is kept in ``waited``."""
+        t0 = time.monotonic()
+        if not self.waited:
+            log.warning("ampdoctor trace: the writer is %.0f MB behind; training waits at step boundaries for it "
+                        "to catch up (record less: every=N)", (self._queued - self._written) / 1e6)
+        while self._queued - self._written > self.MAX_PENDING // 2 and self._thread.is_alive():
+            time.sleep(0.005)
+        self.waited += max(time.monotonic() - t0, 1e-9)
 
     def flush(self, timeout: float = 30.0) -> None:
         """Block until everything queued so far is committed (syncs with the writer thread)."""
@@ -457,12 +477,22 @@ class TraceWriter:
         done.wait(timeout)
 
     def close(self, timeout: float = 30.0) -> None:
-        """Drain the queue, commit and stop the thread (idempotent; syncs with the writer)."""
+        """Drain the queue, commit and stop the thread (idempotent; syncs with the writer). Waits as
+        long as the writer makes progress; gives up after ``timeout`` seconds without any, saying
+        how much was not written."""
         if self._closed:
             return
         self._closed = True
         self._q.put(_STOP)
-        self._thread.join(timeout)
+        last, since = self._written, time.monotonic()
+        while self._thread.is_alive():
+            self._thread.join(min(1.0, timeout))
+            if self._written != last:
+                last, since = self._written, time.monotonic()
+            elif time.monotonic() - since >= timeout:
+                log.warning("ampdoctor trace: the writer made no progress for %.0f s; %.1f MB of rows for %s "
+                            "are not written", timeout, (self._queued - self._written) / 1e6, self.path)
+                break
         try:
             atexit.unregister(self.close)
         except Exception:  # pragma: no cover - interpreter shutting down
@@ -475,6 +505,7 @@ class TraceWriter:
             log.debug("trace closed; dropped %d rows", len(rows))
             return
         if rows:
+            self._queued += _item_bytes(sql, rows)
             self._q.put((sql, rows))
             self._dirty = True
 
@@ -491,8 +522,11 @@ class TraceWriter:
         waiting = self._child is not None
         deadline = time.monotonic() + _READY_TIMEOUT
         try:
+            size = 0
             while True:
+                self._written += size  # (the item before this one is written, or sent to the writer process)
                 item = self._q.get()
+                size = 0 if item is None or item is _STOP or isinstance(item, threading.Event) else _item_bytes(*item)
                 if waiting:
                     ready = _ready_now(self._child)
                     if ready is None and time.monotonic() > deadline:
@@ -628,6 +662,14 @@ class TraceWriter:
             log.warning("ampdoctor trace: the writer process did not finish: %s", e)
         if child.returncode:
             log.warning("ampdoctor trace: the writer process exited with status %s", child.returncode)
+
+
+def _item_bytes(sql: Any, rows: list) -> int:
+    """About how much memory a queue item holds: raw statistics rows by their arrays, other rows at
+    about 200 bytes each."""
+    if sql is _STAT_ROWS:
+        return sum(host.nbytes + 64 * len(meta) for _, meta, host, _ in rows)
+    return 200 * len(rows)
 
 
 def _step_of(sql: Any, rows: list) -> int | None:

@@ -289,3 +289,81 @@ def test_the_report_of_a_complete_trace_says_nothing_is_missing(tmp_path):
     rep = build_report(tmp_path / "t.sqlite")
     assert rep.diagnosis.steps_seen == 25
     assert not any("incomplete" in line for line in rep.diagnosis.lines)
+
+
+def _slow_inserts(monkeypatch, seconds, gate=None):
+    real = trace_mod._insert_rows
+
+    def slow(*a, **k):
+        if gate is not None:
+            gate.wait(30)
+        time.sleep(seconds)
+        return real(*a, **k)
+
+    monkeypatch.setattr(trace_mod, "_insert_rows", slow)
+
+
+def test_a_writer_that_falls_behind_holds_back_training_not_memory(tmp_path, monkeypatch):
+    # rows come faster than the disk takes them: commit() waits at the step boundary once the rows waiting
+    # in memory pass MAX_PENDING, so the queue stays short; nothing is dropped
+    monkeypatch.setenv(trace_mod.WRITER_ENV, "thread")
+    _slow_inserts(monkeypatch, 0.02)
+    meta, host = _rows(100, 12 + 42, 1)  # 43 KB of rows a step
+    monkeypatch.setattr(TraceWriter, "MAX_PENDING", 100_000, raising=False)
+    w = TraceWriter(tmp_path / "t.sqlite")
+    longest = 0
+    for step in range(40):
+        w.add_stat_rows(step, meta, host, 12)
+        w.add_step((step, 1.0, None, None, step + 1, 1, 0.0))
+        w.commit()
+        longest = max(longest, w._q.qsize())
+    w.close()
+    assert longest <= 8, longest  # (unbounded, it reached about 120 items)
+    assert w.waited > 0
+    r = TraceReader(tmp_path / "t.sqlite")
+    assert len(r.steps()) == 40 and len(r.stats()) == 40 * 100
+
+
+def test_close_waits_for_a_slow_writer_while_it_makes_progress(tmp_path, monkeypatch):
+    # 10 items at 0.3 s each: close(timeout=1) used to give up after 1 s with most rows not yet written
+    monkeypatch.setenv(trace_mod.WRITER_ENV, "thread")
+    _slow_inserts(monkeypatch, 0.3)
+    meta, host = _rows(5, 12 + 42, 2)
+    w = TraceWriter(tmp_path / "t.sqlite")
+    for step in range(10):
+        w.add_stat_rows(step, meta, host, 12)
+    w.commit()
+    w.close(timeout=1.0)
+    assert not w._thread.is_alive()
+    assert len(TraceReader(tmp_path / "t.sqlite").stats()) == 50
+
+
+def test_close_gives_up_on_a_stuck_writer_and_says_so(tmp_path, monkeypatch, caplog):
+    import threading
+    monkeypatch.setenv(trace_mod.WRITER_ENV, "thread")
+    gate = threading.Event()
+    _slow_inserts(monkeypatch, 0.0, gate)
+    meta, host = _rows(5, 12 + 42, 3)
+    w = TraceWriter(tmp_path / "t.sqlite")
+    w.add_stat_rows(0, meta, host, 12)
+    w.commit()
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="ampdoctor.trace"):
+        w.close(timeout=0.5)
+    assert time.monotonic() - t0 < 5
+    assert any("made no progress" in r.getMessage() and "not written" in r.getMessage() for r in caplog.records)
+    gate.set()
+    w._thread.join(10)
+
+
+def test_a_run_that_waited_for_the_writer_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv(trace_mod.WRITER_ENV, "thread")
+    _slow_inserts(monkeypatch, 0.05)
+    monkeypatch.setattr(TraceWriter, "MAX_PENDING", 1, raising=False)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")):
+        train(model, 4)
+    notes = [e["detail"] for e in TraceReader(tmp_path / "t.sqlite").events("note")]
+    waited = [d for d in notes if "fell behind" in d.get("message", "")]
+    assert len(waited) == 1 and waited[0]["waited_s"] > 0
