@@ -8,6 +8,7 @@ tensors here; :meth:`Session.end_step` reads them all with one host transfer.
 from __future__ import annotations
 
 import atexit
+import collections
 import functools
 import logging
 import math
@@ -211,6 +212,12 @@ class Session:
         self._window: list[tuple] = []  # (label, the part's rows and scalars): the step's parts while learning
         self._unit_opts: set[int] = set()  # with a GradScaler: optimizers stepped since the last update()
         self._opt_refs: dict[int, Any] = {}  # id -> weakref of the optimizers in labels (alive?)
+        self._foreign_opts: dict[int, tuple] = {}  # id -> (weakref, key, holds no watched parameter?) (see _foreign)
+        self._own_opt_stepped = False  # an optimizer holding watched parameters has stepped (see _foreign)
+        self._early_foreign = 0  # steps of other models' optimizers before that
+        self._any_disjoint = False  # an optimizer holding no watched parameter has stepped
+        self._reached = False  # a backward since the last unit ended reached a watched parameter (see _foreign)
+        self._watched_ids: tuple[Any, frozenset] = (None, frozenset())  # (watches, their trainable parameters' ids)
         self._parts_ending = False  # _end_step of a learnt window: its weights were read part by part
         self._parts_opt_steps = 0  # (and the optimizer steps counted where its last part ended)
         self.last_output_nonfinite: tuple[int, Any] | None = None  # (step, device flag), trials only
@@ -571,6 +578,11 @@ class Session:
         self._active = self._worked = True
         self.trained = True
         self._outer_next = outer = torch._C._current_graph_task_id() == -1  # not called from inside a backward
+        if not self._reached:  # (see _foreign)
+            try:
+                self._reached = self._reaches_watched(tensors if isinstance(tensors, (tuple, list)) else (tensors,))
+            except Exception:  # pragma: no cover - taken as the run's
+                self._reached = True
         if self._deferred or self._boundary is not None:
             self._write_deferred()
         if self.recording or self._deferred:  # where this backward pass ends: the weight gradients, a deferred write
@@ -654,6 +666,11 @@ class Session:
 
     @_training_thread_only
     def on_scaler_update(self, scaler: Any, before: torch.Tensor | None, after: torch.Tensor | None) -> None:
+        opts = [r() for r in (self._opt_refs.get(k) for k in self._unit_opts) if r is not None]
+        if opts and all(o is not None and self._foreign(o) for o in opts):
+            self._unit_opts = set()  # another model's GradScaler: neither its scale nor its loss is this run's
+            self._drop_foreign_unit()
+            return
         self._scaler = scaler
         if after is not None:
             self._scale_after = after.detach().reshape(()).to(torch.float64, copy=True)  # (its own copy: update() changes _scale in place)
@@ -698,8 +715,94 @@ class Session:
         """An ``optimizer.step(closure)`` is in progress from here (see :meth:`on_optimizer_step_begin`)."""
         self._closure_losses_from = len(self._losses)
 
+    def _foreign(self, optimizer: Any) -> bool:
+        """Whether ``optimizer`` is another model's, trained in the same loop and not through the watched
+        one (a second network with its own loss, a probe on detached features): it holds parameters,
+        none of them watched, an optimizer of the watched parameters has stepped before, and no backward
+        pass since the run's last unit ended reached a watched parameter. Its steps are not this run's
+        steps. (A GAN's G, unwatched, whose loss goes through a watched D, is the run's; so is the only
+        optimizer of a frozen watched backbone's new head.) The parameters are checked again when their
+        count or the watches change; O(groups) a step otherwise."""
+        try:
+            groups = optimizer.param_groups
+            n = sum(len(g.get("params", ())) for g in groups)
+        except Exception:  # not a torch optimizer as we know it: taken as the run's
+            return False
+        live = [w for w in self.watches if not w._removed]
+        key = (n, tuple(map(id, live)))
+        hit = self._foreign_opts.get(id(optimizer))
+        if hit is not None and hit[1] == key and hit[0]() is optimizer:
+            disjoint = hit[2]
+        else:
+            watched = {id(p) for w in live for _, _, p in w._params if p is not None}
+            held = {id(p) for g in groups for p in g.get("params", ())}
+            disjoint = bool(watched) and bool(held) and watched.isdisjoint(held)
+            try:
+                self._foreign_opts[id(optimizer)] = (weakref.ref(optimizer), key, disjoint)
+            except TypeError:  # pragma: no cover - no weakrefs: checked each time
+                pass
+        if not disjoint:
+            self._own_opt_stepped = True
+            return False
+        self._any_disjoint = True
+        if self._reached:
+            return False
+        if self._own_opt_stepped:
+            return True
+        # before the watched model's optimizer first steps (another model trained first in each iteration):
+        # its first step is another's if the watched model trains at all; a second one with no optimizer of
+        # the watched parameters stepping in between says this one is the run's (a watched model that only
+        # runs forward, a teacher)
+        return not self._early_foreign and bool(self._trainable_watched())
+
+    def _trainable_watched(self) -> frozenset:
+        """The ids of the watched parameters that require a gradient (kept while the watches are)."""
+        live = tuple(w for w in self.watches if not w._removed)
+        key = tuple((id(w), len(w._params)) for w in live)
+        if self._watched_ids[0] != key:
+            self._watched_ids = (key, frozenset(id(p) for w in live for _, _, p in w._params
+                                                if p is not None and p.requires_grad))
+        return self._watched_ids[1]
+
+    def _reaches_watched(self, roots: Any) -> bool:
+        """Whether the autograd graph of a backward's roots has a trainable watched parameter among its
+        leaves: breadth first, so the run's own loss finds one within a few nodes (its last layer);
+        another model's loss is walked whole. At most 64 nodes while no other model's optimizer has
+        been seen (4096 after), and a walk cut short is taken as reaching one (the run's)."""
+        watched = self._trainable_watched()
+        if not watched:
+            return False
+        budget = 4096 if self._any_disjoint else 64
+        queue = collections.deque(t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None)
+        seen: set[int] = set()
+        while queue:
+            node = queue.popleft()
+            if node is None or id(node) in seen:
+                continue
+            if len(seen) >= budget:
+                return True
+            seen.add(id(node))
+            var = getattr(node, "variable", None)  # (AccumulateGrad: a leaf's gradient)
+            if var is not None and id(var) in watched:
+                return True
+            queue.extend(nxt for nxt, _ in node.next_functions)
+        return False
+
+    def _drop_foreign_unit(self) -> None:
+        """Another model's optimizer stepped: the losses backpropagated since this run's last unit ended
+        were its (they are not this step's loss), and nothing else of it is this run's."""
+        self._losses = []
+        self._closure_losses_from = None
+        self._worked = False  # (a run that ends here has no partial step of its own to write)
+        if not self._own_opt_stepped:
+            self._early_foreign += 1
+
     @_training_thread_only
     def on_optimizer_step(self, optimizer: Any) -> None:
+        if self._foreign(optimizer):
+            if not (self._scaler is not None or self._scaled_loss_seen):
+                self._drop_foreign_unit()  # (under a GradScaler, its update() decides: on_scaler_update)
+            return
         start, self._closure_losses_from = self._closure_losses_from, None
         if start is not None and len(self._losses) > start + 1:
             del self._losses[start + 1:]
@@ -748,6 +851,7 @@ class Session:
         the round's order (an optimizer the round did not have) is counted in the step it falls in;
         once a unit comes twice in a step, or the round's last optimizer is gone, the step ends there
         and the round is learnt again. One update() per iteration is a round of one unit."""
+        self._reached = False
         rnd = self._round
         if rnd is not None:
             if label == rnd[-1] and label not in self._in_step:

@@ -131,6 +131,82 @@ def test_a_gan_with_only_d_watched(tmp_path):
     assert [s["loss"] for s in steps[2:]] == pytest.approx([e[0] for e in expect[1:]], rel=1e-6)
 
 
+@pytest.mark.parametrize("order", ["watched_first", "other_first"])
+@pytest.mark.parametrize("scalers", [False, True])
+@pytest.mark.parametrize("every", [1, 3])
+def test_another_models_training_in_the_same_loop_is_not_this_runs(tmp_path, order, scalers, every):
+    """watch(a) while b, a separate network with its own loss and optimizer (and GradScaler), trains in
+    the same loop: b's steps are not steps of the run and its loss is not in a's (they added a step
+    and b's loss of 100 to every step of a's)."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    b = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 1))
+    oa, ob = torch.optim.SGD(a.parameters(), lr=0.01), torch.optim.SGD(b.parameters(), lr=0.01)
+    sa, sb = (torch.amp.GradScaler("cpu", init_scale=2.0 ** 8), torch.amp.GradScaler("cpu", init_scale=2.0 ** 3)) if scalers else (None, None)
+    losses = []
+
+    def train_one(model, opt, scaler, x, extra):
+        loss = model(x).pow(2).mean() + extra
+        opt.zero_grad()
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        return loss.item()
+
+    with ampdoctor.watch(a, trace=str(tmp_path / "t.sqlite"), every=every):
+        for _ in range(7):
+            x = torch.randn(4, 8)
+            if order == "other_first":
+                train_one(b, ob, sb, x, 100.0)
+            losses.append(train_one(a, oa, sa, x, 0.0))
+            if order == "watched_first":
+                train_one(b, ob, sb, x, 100.0)
+    steps = TraceReader(tmp_path / "t.sqlite").steps()
+    assert [s["step"] for s in steps] == list(range(7))
+    assert [s["loss"] for s in steps] == pytest.approx(losses, rel=1e-6)
+    assert [s["optimizer_steps"] for s in steps] == list(range(1, 8))
+    if scalers:
+        assert {s["scale"] for s in steps} == {2.0 ** 8}
+
+
+@pytest.mark.parametrize("case", ["frozen_backbone", "watched_teacher"])
+def test_an_optimizer_of_unwatched_parameters_is_the_runs_when_nothing_else_trains(tmp_path, case):
+    """watch(backbone) with the backbone frozen and only a new head optimized, or watch(teacher) while a
+    student learns from its outputs: no optimizer holds a trainable watched parameter that steps, so the
+    other optimizer's steps are the run's steps (with a teacher that requires grad, from its second)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+    head = nn.Linear(16 if case == "frozen_backbone" else 8, 1)
+    if case == "frozen_backbone":
+        net.requires_grad_(False)
+    opt = torch.optim.SGD(head.parameters(), lr=0.01)
+    losses = []
+    with ampdoctor.watch(net, trace=str(tmp_path / "t.sqlite")):
+        for _ in range(6):
+            x = torch.randn(4, 8)
+            if case == "frozen_backbone":
+                loss = head(net(x)).pow(2).mean()
+            else:
+                with torch.no_grad():
+                    target = net(x).sum(1, keepdim=True)
+                loss = (head(x) - target).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    steps = TraceReader(tmp_path / "t.sqlite").steps()
+    if case == "frozen_backbone":
+        assert [s["loss"] for s in steps] == pytest.approx(losses, rel=1e-6)
+        assert [s["optimizer_steps"] for s in steps] == list(range(1, 7))
+    else:  # the first step of the student is taken for another model's, the rest are the run's
+        assert [s["loss"] for s in steps][1:] == pytest.approx(losses[2:], rel=1e-6)
+        assert len(steps) == 5
+
+
 def test_a_replaced_optimizer_ends_steps_as_the_old_one_did(tmp_path):
     """The optimizer re-created every few iterations (a restart): each of its steps still ends a step."""
     torch.manual_seed(0)
