@@ -214,6 +214,8 @@ class Session:
         self._opt_refs: dict[int, Any] = {}  # id -> weakref of the optimizers in labels (alive?)
         self._foreign_opts: dict[int, tuple] = {}  # id -> (weakref, key, holds no watched parameter?) (see _foreign)
         self._own_opt_stepped = False  # an optimizer holding watched parameters has stepped (see _foreign)
+        self.last_mode: bool | None = None  # ``.training`` of the last outermost watched call (see eval_call)
+        self._train_modes: set[bool] = set()  # ... of those that a backward pass followed
         self._early_foreign = 0  # steps of other models' optimizers before that
         self._any_disjoint = False  # an optimizer holding no watched parameter has stepped
         self._reached = False  # a backward since the last unit ended reached a watched parameter (see _foreign)
@@ -571,8 +573,17 @@ class Session:
                              "the next step on it is read as soon as it is made. Nothing to fix in your code.")
 
     # -- what the step tracker reports -----------------------------------------------------
+    def eval_call(self, mod: Any) -> bool:
+        """Whether an outermost watched call of ``mod`` is evaluation, not training: after training
+        started, with gradients disabled, or with ``mod`` in eval mode (``model.eval()``, a validation
+        pass that forgot ``no_grad``) where every call that a backward pass followed was in train mode
+        (a model trained in eval mode, to keep its dropout off, is recorded as before)."""
+        return self.trained and (not torch.is_grad_enabled() or (not mod.training and self._train_modes == {True}))
+
     @_training_thread_only
     def on_backward(self, tensors: Any) -> None:
+        if self.last_mode is not None:
+            self._train_modes.add(self.last_mode)
         if self._provisional and not self.trained:
             self._drop_provisional()  # the watched calls of this step were evaluation; training is not watched
         self._active = self._worked = True

@@ -585,9 +585,10 @@ class Watch:
             if not self._depth:  # an outermost call
                 if not s.claim_thread():
                     return self.go_foreign()  # another thread trains the watched model(s): this one is left alone
-                if s.trained and not _grad_enabled():
-                    self._eval = lid  # gradients disabled after training started: evaluation
+                if s.eval_call(mod):
+                    self._eval = lid  # gradients disabled (or model.eval()) after training started: evaluation
                     return
+                s.last_mode = mod.training
                 if _functorch_level() is not None:
                     self._eval = lid  # inside vmap/grad: not recorded, as an evaluation call is not, but the
                     s._active = True  # step did work (its optimizer step ends it)
@@ -707,11 +708,16 @@ class Watch:
                     s.resolve_format(self.root)
             elif out is None and _exc_info()[0] is not None:
                 return
+            alone = self._depth <= 0 and own_in[0]  # a leaf called on its own (its pre-hook pruned)
             if s.trained and not _grad_enabled():
-                if self._depth <= 0 and own_in[0]:
+                if alone:
                     return  # a leaf called on its own with gradients disabled after training started: evaluation
                 if record_stats:
                     s.note_layer(lid, _NO_GRAD_NOTE)
+            elif alone:
+                if s.eval_call(mod):
+                    return  # (in eval mode, see Session.eval_call)
+                s.last_mode = mod.training
             s._active = True  # this module's call number this step
             calls = s._calls
             call = calls.get(lid, 0)
@@ -796,7 +802,7 @@ class Watch:
         def post(mod: nn.Module, args: Any, out: Any) -> None:
             if _is_compiling():
                 return traced[0](mod, args, out)
-            if self._removed or self._foreign or s.closed or _in_backward() or (s.trained and not _grad_enabled()):
+            if self._removed or self._foreign or s.closed or _in_backward() or s.eval_call(mod):
                 return  # (an evaluation call's output says nothing of training)
             flag = _nonfinite_flag([t for _, t in floating(iter_tensors(out)) if t.numel()])
             if flag is not None:

@@ -1146,3 +1146,39 @@ def test_explicit_format_wins_over_the_run(tmp_path):
     assert [r["absmax"] for r in rows] == [r["absmax"] for r in auto_rows]
     beyond = [i for i, r in enumerate(rows) if r["absmax"] > 65504]
     assert beyond and all(rows[i]["overflow"] > 0 and auto_rows[i]["overflow"] == 0 for i in beyond)
+
+
+@pytest.mark.parametrize("leaf", [False, True])
+def test_a_validation_pass_in_eval_mode_without_no_grad_is_not_recorded_as_training(tmp_path, leaf):
+    """model.eval() and a forward with gradients enabled (a validation loop that forgot no_grad) after
+    training started: evaluation, as under no_grad. It was recorded as a call of the next step (its
+    1e5 inputs were that step's abs-max), and a last one made a step of its own with no loss."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1) if leaf else nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")):
+        for i in range(6):
+            model.train()
+            loss = model(torch.randn(4, 8)).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if i % 2 == 1:
+                model.eval()
+                model(torch.full((4, 8), 1e5)).pow(2).mean()
+    r = TraceReader(tmp_path / "t.sqlite")
+    assert [s["step"] for s in r.steps()] == list(range(6)) and all(s["loss"] is not None for s in r.steps())
+    acts = r.stats(kind="activation")
+    assert {s["call"] for s in acts} == {0} and max(s["absmax"] for s in acts) < 100
+    assert {s["step"] for s in acts} == set(range(6))
+
+
+def test_a_model_trained_in_eval_mode_is_still_recorded(tmp_path):
+    # (dropout kept off by training in eval mode: eval mode is no sign of evaluation then)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    model.eval()
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")):
+        train(model, 4)
+    acts = TraceReader(tmp_path / "t.sqlite").stats(kind="activation")
+    assert {s["step"] for s in acts} == set(range(4)) and len(acts) == 4 * 3
