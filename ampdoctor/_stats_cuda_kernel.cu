@@ -8,7 +8,8 @@
 //   C             fast path: bin = E + C, with E the exponent field of the value as an fp32
 //   BMAX          magnitude bits of the largest input value <= the format's max
 //   LO_CLAMP, HI_CLAMP, ZERO_IN_BIN0, NEED_OVF, SUBN_SPECIAL, LANE_HIST: see stage1
-//   PREFETCH, BIN_LUT  the other inputs: loads issued a step ahead; the bin of E from a table
+//   PREFETCH      the next vectors' loads issued before the current ones are counted (each_word)
+//   BIN_LUT       the other inputs: the bin of E from a 256-entry table
 //   PACKED        fp16 inputs whose every finite value has a bin E + C (no clamp, no overflow bin):
 //                 the fast path works on two elements per 32-bit word (fast_word)
 //   NT            threads per block
@@ -199,6 +200,41 @@ DEV void fast_word(u32 w, u32& mn, u32& mx, u32& nz, u32* h, bool both) {
 DEV int half_key(u32 h16) { return key_of(h16 & 0xFFFFu); }
 #endif
 
+// Each 32-bit word of a chunk's whole 16-byte vectors (vector v, v + nt, ...; nvec of them) to
+// count(w): two vectors at a time, with PREFETCH the next pair's loads in flight while the current
+// pair is counted, then the one left over.
+template <class F> DEV void each_word(const uint4* vp, i64 v, i64 nvec, int nt, F count) {
+#if PREFETCH
+    uint4 q0, q1;
+    if (v + nt < nvec) {
+        q0 = vp[v];
+        q1 = vp[v + nt];
+    }
+    for (; v + nt < nvec; v += 2 * nt) {
+        u32 w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+        if (v + 3 * nt < nvec) {
+            q0 = vp[v + 2 * nt];
+            q1 = vp[v + 3 * nt];
+        }
+#pragma unroll
+        for (int k = 0; k < 8; ++k) count(w[k]);
+    }
+#else
+    for (; v + nt < nvec; v += 2 * nt) {
+        uint4 q0 = vp[v], q1 = vp[v + nt];
+        u32 w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
+#pragma unroll
+        for (int k = 0; k < 8; ++k) count(w[k]);
+    }
+#endif
+    for (; v < nvec; v += nt) {
+        uint4 q = vp[v];
+        u32 w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int k = 0; k < 4; ++k) count(w[k]);
+    }
+}
+
 // One element, exact classification of anything (NaN, Inf, subnormal input).
 DEV void slow_el(u32 bits, int& kmin, int& kmax, int& kabs, int& knz, u32* hw) {
     u32 a = bits & MAG;
@@ -295,27 +331,7 @@ extern "C" __global__ void stage1(const Table table, int m, int g0, int g1, int 
     u32 mn = 0x7C007C00u, mx = 0xFC00FC00u, nz = 0x7FFF7FFFu;  // +Inf, -Inf, "no non-zero"
     const uint4* vp = (const uint4*)(base + s);
     const i64 nvec = (e - s) / VEC;
-    i64 v = tid;
-    uint4 q0, q1;
-    if (v + nt < nvec) {
-        q0 = vp[v];
-        q1 = vp[v + nt];
-    }
-    for (; v + nt < nvec; v += 2 * nt) {
-        u32 w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
-        if (v + 3 * nt < nvec) {  // the next pair's loads in flight while this one is counted
-            q0 = vp[v + 2 * nt];
-            q1 = vp[v + 3 * nt];
-        }
-#pragma unroll
-        for (int k = 0; k < 8; ++k) fast_word(w[k], mn, mx, nz, h, true);
-    }
-    for (; v < nvec; v += nt) {
-        uint4 q0 = vp[v];
-        u32 w[4] = {q0.x, q0.y, q0.z, q0.w};
-#pragma unroll
-        for (int k = 0; k < 4; ++k) fast_word(w[k], mn, mx, nz, h, true);
-    }
+    each_word(vp, tid, nvec, nt, [&](u32 w) { fast_word(w, mn, mx, nz, h, true); });
     for (i64 i = s + nvec * VEC + tid; i < e; i += nt) {
         u32 b = (u32)base[i];
         fast_word(b | (b << 16), mn, mx, nz, h, false);  // the element in both halves, counted once
@@ -336,37 +352,7 @@ extern "C" __global__ void stage1(const Table table, int m, int g0, int g1, int 
     // s is a multiple of 1024 elements and the tensor 16-byte aligned: whole 16-byte vectors first
     const uint4* vp = (const uint4*)(base + s);
     const i64 nvec = (e - s) / VEC;
-    i64 v = tid;
-#if PREFETCH
-    uint4 q0, q1;
-    if (v + nt < nvec) {
-        q0 = vp[v];
-        q1 = vp[v + nt];
-    }
-    for (; v + nt < nvec; v += 2 * nt) {
-        u32 w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
-        if (v + 3 * nt < nvec) {  // the next pair's loads in flight while this one is counted
-            q0 = vp[v + 2 * nt];
-            q1 = vp[v + 3 * nt];
-        }
-#pragma unroll
-        for (int k = 0; k < 8; ++k) fast_vword(w[k], vmin, vmax, vabs, vnzm1, h, lut);
-    }
-#else
-    for (; v + nt < nvec; v += 2 * nt) {
-        uint4 q0 = vp[v];
-        uint4 q1 = vp[v + nt];
-        u32 w[8] = {q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w};
-#pragma unroll
-        for (int k = 0; k < 8; ++k) fast_vword(w[k], vmin, vmax, vabs, vnzm1, h, lut);
-    }
-#endif
-    for (; v < nvec; v += nt) {
-        uint4 q0 = vp[v];
-        u32 w[4] = {q0.x, q0.y, q0.z, q0.w};
-#pragma unroll
-        for (int k = 0; k < 4; ++k) fast_vword(w[k], vmin, vmax, vabs, vnzm1, h, lut);
-    }
+    each_word(vp, tid, nvec, nt, [&](u32 w) { fast_vword(w, vmin, vmax, vabs, vnzm1, h, lut); });
     for (i64 i = s + nvec * VEC + tid; i < e; i += nt) {
         fast_el((u32)base[i], vmin, vmax, vabs, vnzm1, h, lut);
     }

@@ -98,8 +98,8 @@ def defines(dtype: torch.dtype, fmt: Format) -> dict[str, int]:
         SUBN_SPECIAL=int(kind != 0 and c > 0),
         LANE_HIST=int(p <= 64),
         PACKED=int(packed),
-        # the other inputs: the next vectors' loads in flight while the current ones are counted,
-        # and the bin of E from a 256-entry table (when every bin's code fits a byte)
+        # the next vectors' loads in flight while the current ones are counted; for the other inputs,
+        # the bin of E from a 256-entry table (when every bin's code fits a byte)
         PREFETCH=1,
         BIN_LUT=int(not packed and nb + 5 <= 255),
         NT=NT,
