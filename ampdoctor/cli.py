@@ -159,6 +159,16 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
+class _Formatter(logging.Formatter):
+    """A message that begins with "ampdoctor" as it is (it says which part of ampdoctor speaks:
+    "ampdoctor trace: ...", written so for the user's own logging too); any other message after its
+    logger's name ("ampdoctor.bisect.search: ...")."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = super().format(record)
+        return text if text.startswith("ampdoctor") else f"{record.name}: {text}"
+
+
 def _setup_logging(verbose: int) -> None:
     """Our messages go to stderr through a handler on the ``ampdoctor`` logger only. The root logger is
     the script's: ``ampdoctor run`` executes it in this process, and a ``logging.basicConfig`` of ours
@@ -168,7 +178,7 @@ def _setup_logging(verbose: int) -> None:
     logger = logging.getLogger("ampdoctor")
     saved = (logger.level, logger.propagate)
     handler = _StderrHandler()
-    handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+    handler.setFormatter(_Formatter("%(message)s"))
     logger.addHandler(handler)
     logger.setLevel(level)
     logger.propagate = False

@@ -43,6 +43,10 @@ def test_script_args_after_double_dash(tmp_path):
     assert len(TraceReader(out / "trace.sqlite").steps()) == 3
     r = amp("-v", "report", out)  # README: -v logs what it does (report logged nothing)
     assert r.returncode == 0 and f"reading {out}" in r.stderr and "3 steps in the timeline" in r.stderr, r.stderr
+    # one prefix per line: "ampdoctor: reading ...", not "ampdoctor.report: ampdoctor: reading ..."
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert lines and all(ln.startswith("ampdoctor") and ln.count("ampdoctor") == 1 for ln in lines
+                         if "reading" in ln or "timeline" in ln), r.stderr
 
 
 def test_max_steps_stops_cleanly(tmp_path):
