@@ -219,6 +219,7 @@ class Session:
         self._early_foreign = 0  # steps of other models' optimizers before that
         self._any_disjoint = False  # an optimizer holding no watched parameter has stepped
         self._reached = False  # a backward since the last unit ended reached a watched parameter (see _foreign)
+        self._unreached: list[torch.Tensor] = []  # kept losses whose graph reached no watched parameter (see _own_losses)
         self._watched_ids: tuple[Any, frozenset] = (None, frozenset())  # (watches, their trainable parameters' ids)
         self._parts_ending = False  # _end_step of a learnt window: its weights were read part by part
         self._parts_opt_steps = 0  # (and the optimizer steps counted where its last part ended)
@@ -319,6 +320,7 @@ class Session:
         self._new_rows()
         self._outer_next = False  # the next backward pass seen is an outermost one (see on_backward)
         self._losses: list[torch.Tensor] = []
+        self._unreached = []
         self._scaled_outputs: list[tuple[Any, torch.Tensor]] = []  # (weakref to scale()'s result, its loss)
         self._scaled_loss_seen = False
         self._scaler: Any = None
@@ -589,11 +591,13 @@ class Session:
         self._active = self._worked = True
         self.trained = True
         self._outer_next = outer = torch._C._current_graph_task_id() == -1  # not called from inside a backward
-        if not self._reached:  # (see _foreign)
-            try:
-                self._reached = self._reaches_watched(tensors if isinstance(tensors, (tuple, list)) else (tensors,))
-            except Exception:  # pragma: no cover - taken as the run's
-                self._reached = True
+        t = tensors[0] if isinstance(tensors, (tuple, list)) and len(tensors) == 1 else tensors
+        loss = (isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point() and not t.is_meta
+                and not self._scaled_loss_seen)
+        reached = None
+        if not self._reached or loss:  # (see _foreign; a loss kept below: see _own_losses)
+            reached = self._reach(tensors if isinstance(tensors, (tuple, list)) else (tensors,))
+            self._reached = self._reached or reached
         if self._deferred or self._boundary is not None:
             self._write_deferred()
         if self.recording or self._deferred:  # where this backward pass ends: the weight gradients, a deferred write
@@ -609,11 +613,11 @@ class Session:
                             self._rows.open_gate_on(t)
                         except Exception as e:  # pragma: no cover - never break training for a statistic
                             log.info("ampdoctor: could not check the loss for NaN/Inf: %s: %s", type(e).__name__, e)
-        if self._scaled_loss_seen:
-            return
-        t = tensors[0] if isinstance(tensors, (tuple, list)) and len(tensors) == 1 else tensors
-        if isinstance(t, torch.Tensor) and t.numel() == 1 and t.is_floating_point() and not t.is_meta:
-            self._losses.append(t.detach().reshape(()).to(torch.float64, copy=True))
+        if loss:
+            kept = t.detach().reshape(()).to(torch.float64, copy=True)
+            self._losses.append(kept)
+            if not reached:
+                self._unreached.append(kept)
 
     @_training_thread_only
     def on_backward_error(self, error: BaseException) -> None:
@@ -649,6 +653,8 @@ class Session:
             self._scaled_loss_active = True
             kept = loss.detach().reshape(()).to(torch.float64, copy=True)
             self._losses.append(kept)
+            if not self._reach((loss,)):
+                self._unreached.append(kept)
             if isinstance(scaled, torch.Tensor):  # (see on_autograd_grad)
                 self._scaled_outputs.append((_weakref(scaled), kept))
         self._scaler = scaler
@@ -775,6 +781,24 @@ class Session:
                                                 if p is not None and p.requires_grad))
         return self._watched_ids[1]
 
+    def _reach(self, roots: Any) -> bool:
+        try:
+            return self._reaches_watched(roots)
+        except Exception:  # pragma: no cover - taken as the run's
+            return True
+
+    def _own_losses(self) -> None:
+        """Where a unit ends: with losses of the run's model among them (their graph reached a trainable
+        watched parameter), the losses whose graph reached none are another model's (one GradScaler
+        shared by both, or both backwards before both steps: ``la.backward(); lb.backward(); ob.step();
+        oa.step()``) and not in this step's loss. Where none reached, all are kept (a frozen watched
+        model, a watched teacher, a graph our walk cannot see into)."""
+        if self._unreached:
+            unreached, self._unreached = self._unreached, []
+            own = [x for x in self._losses if not any(x is u for u in unreached)]
+            if own:
+                self._losses = own
+
     def _reaches_watched(self, roots: Any) -> bool:
         """Whether the autograd graph of a backward's roots has a trainable watched parameter among its
         leaves: breadth first, so the run's own loss finds one within a few nodes (its last layer);
@@ -803,6 +827,7 @@ class Session:
         """Another model's optimizer stepped: the losses backpropagated since this run's last unit ended
         were its (they are not this step's loss), and nothing else of it is this run's."""
         self._losses = []
+        self._unreached = []
         self._closure_losses_from = None
         self._worked = False  # (a run that ends here has no partial step of its own to write)
         if not self._own_opt_stepped:
@@ -863,6 +888,7 @@ class Session:
         once a unit comes twice in a step, or the round's last optimizer is gone, the step ends there
         and the round is learnt again. One update() per iteration is a round of one unit."""
         self._reached = False
+        self._own_losses()
         rnd = self._round
         if rnd is not None:
             if label == rnd[-1] and label not in self._in_step:

@@ -173,6 +173,54 @@ def test_another_models_training_in_the_same_loop_is_not_this_runs(tmp_path, ord
         assert {s["scale"] for s in steps} == {2.0 ** 8}
 
 
+@pytest.mark.parametrize("pattern", ["shared_scaler", "shared_scaler_both_backwards_first", "both_backwards_first",
+                                     "both_backwards_first_other_first"])
+def test_another_models_loss_is_not_in_the_step_when_their_work_interleaves(tmp_path, pattern):
+    """watch(a) while b (its own loss and optimizer, no parameter of a) trains in the same iteration,
+    its work interleaved with a's: one GradScaler for both (PyTorch's AMP recipe for several models),
+    or both backward passes before both optimizer steps. The step's loss is a's alone (it held b's 100
+    too), one step per iteration."""
+    torch.manual_seed(0)
+    a = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    b = nn.Sequential(nn.Linear(8, 4), nn.ReLU(), nn.Linear(4, 1))
+    oa, ob = torch.optim.SGD(a.parameters(), lr=0.01), torch.optim.SGD(b.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8) if pattern.startswith("shared_scaler") else None
+    losses = []
+    with ampdoctor.watch(a, trace=str(tmp_path / "t.sqlite")):
+        for _ in range(6):
+            x = torch.randn(4, 8)
+            la = a(x).pow(2).mean()
+            lb = b(x).pow(2).mean() + 100.0
+            oa.zero_grad()
+            ob.zero_grad()
+            if pattern == "shared_scaler":
+                scaler.scale(la).backward()
+                scaler.step(oa)
+                scaler.scale(lb).backward()
+                scaler.step(ob)
+                scaler.update()
+            elif pattern == "shared_scaler_both_backwards_first":
+                scaler.scale(lb).backward()
+                scaler.scale(la).backward()
+                scaler.step(ob)
+                scaler.step(oa)
+                scaler.update()
+            elif pattern == "both_backwards_first":
+                la.backward()
+                lb.backward()
+                ob.step()
+                oa.step()
+            else:
+                lb.backward()
+                la.backward()
+                oa.step()
+                ob.step()
+            losses.append(la.item())
+    steps = TraceReader(tmp_path / "t.sqlite").steps()
+    assert [s["step"] for s in steps] == list(range(6))
+    assert [s["loss"] for s in steps] == pytest.approx(losses, rel=1e-6)
+
+
 @pytest.mark.parametrize("case", ["frozen_backbone", "watched_teacher"])
 def test_an_optimizer_of_unwatched_parameters_is_the_runs_when_nothing_else_trains(tmp_path, case):
     """watch(backbone) with the backbone frozen and only a new head optimized, or watch(teacher) while a
