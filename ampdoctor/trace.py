@@ -858,7 +858,8 @@ class TraceReader:
         ``first_bad``, the first step of a row with NaN, Inf or overflow (None: no such row);
         ``first_step``; ``steps``, how many distinct steps; ``min_call``/``max_call``, and
         ``null_calls``, rows without a call index; ``min``/``max``, the smallest and largest finite
-        value (None: no finite value). In no particular order."""
+        value (None: no finite value; a row with none holds min +inf and max -inf, or NULL, and is left
+        out). In no particular order."""
         cols = ("layer", "kind", "dtype", "rows", "numel", "overflow", "subnormal", "flush_to_zero", "nan", "posinf",
                 "neginf", "bytes", "absmax", "first_bad", "first_step", "steps", "min_call", "max_call", "null_calls",
                 "min", "max")
@@ -866,7 +867,8 @@ class TraceReader:
         sql = ("SELECT layer, kind, dtype, COUNT(*), SUM(numel), SUM(overflow), SUM(subnormal), SUM(flush_to_zero), "
                "SUM(nan), SUM(posinf), SUM(neginf), SUM(bytes), MAX(COALESCE(absmax, 0.0)), "
                "MIN(CASE WHEN nan OR posinf OR neginf OR overflow THEN step END), MIN(step), COUNT(DISTINCT step), "
-               "MIN(call), MAX(call), SUM(call IS NULL), MIN(min), MAX(max) FROM stats NOT INDEXED GROUP BY layer, kind, dtype")
+               "MIN(call), MAX(call), SUM(call IS NULL), MIN(CASE WHEN min <= max THEN min END), "
+               "MAX(CASE WHEN min <= max THEN max END) FROM stats NOT INDEXED GROUP BY layer, kind, dtype")
         return [dict(zip(cols, r)) for r in self._tuples(sql)]
 
     def step_count(self, layer: int, kind: str) -> int:

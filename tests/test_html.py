@@ -192,3 +192,64 @@ def test_min_and_max_per_layer_match_numpy_in_json_csv_and_html(tmp_path):
         r.max for r in rep.layers if r.layer == "1" and r.kind == "activation")
     html = render_html(rep)
     assert "<th>min</th><th>max</th><th>abs-max</th>" in html
+
+
+def test_a_layer_with_no_finite_value_has_no_min_max_or_absmax_anywhere(tmp_path):
+    """A layer whose values were all NaN had min +inf, max -inf and abs-max 0 in the JSON, the CSV, the
+    terminal and the HTML (0 reads as 'all zeros'). Every output now says none (null / empty / -), and
+    a layer with finite values keeps numpy's min, max and abs-max of what its hooks saw."""
+    import numpy as np
+    import torch
+    from torch import nn
+
+    import ampdoctor
+    from ampdoctor.report.text import render_text
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1)
+
+        def forward(self, x):
+            h = (self.a(x) * 3e5) ** 2  # Inf in fp16
+            return self.b(h - h)  # Inf - Inf: every value NaN from step 0 on
+
+    torch.manual_seed(0)
+    m = M()
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    seen: dict[str, list[np.ndarray]] = {"a": [], "b": []}
+    hooks = [getattr(m, k).register_forward_hook(lambda mod, i, o, k=k: seen[k].append(o.detach().float().numpy()))
+             for k in seen]
+    with ampdoctor.watch(m, format="fp16", trace=str(tmp_path / "t.sqlite")) as w:
+        for _ in range(3):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = m(torch.randn(4, 8) * 1000).float().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        rep = w.report()
+    for h in hooks:
+        h.remove()
+    b_out = np.concatenate([o.ravel() for o in seen["b"]])
+    assert not np.isfinite(b_out).any()  # the planted case
+    a_out = np.concatenate([o.ravel() for o in seen["a"]])
+    fin = a_out[np.isfinite(a_out)]
+    js = {(r["layer"], r["kind"]): r for r in json.loads(rep.to_json())["layers"]}
+    assert (js[("a", "activation")]["min"], js[("a", "activation")]["max"]) == (float(fin.min()), float(fin.max()))
+    assert js[("a", "activation")]["absmax"] == float(np.abs(fin).max())
+    nothing = [k for k, r in js.items() if r["nan"] + r["inf"] == r["numel"]]
+    assert ("b", "activation") in nothing and ("a", "weight") in nothing, sorted(js)
+    for k in nothing:
+        assert (js[k]["min"], js[k]["max"], js[k]["absmax"], js[k]["headroom_bits"]) == (None, None, None, None), js[k]
+    out = tmp_path / "t.csv"
+    write_csv(rep, out)
+    with open(out, newline="", encoding="utf-8") as f:
+        rows = {(r["layer"], r["kind"]): r for r in csv.DictReader(f)}
+    for k in nothing:
+        assert [rows[k][c] for c in ("min", "max", "absmax", "headroom_bits")] == ["", "", "", ""], rows[k]
+    assert float(rows[("a", "activation")]["absmax"]) == float(np.abs(fin).max())
+    text = render_text(rep, kinds=("activation",))
+    line = next(ln for ln in text.splitlines() if ln.startswith("b ") and "Linear" in ln)
+    assert line.split()[3:5] == ["-", "-"], line
+    html = render_html(rep)
+    assert ">inf<" not in html and ">-inf<" not in html

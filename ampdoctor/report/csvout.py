@@ -2,13 +2,15 @@
 
 Numbers are written unrounded (``repr`` of floats; ``inf``/``-inf`` for infinite headroom) so a
 spreadsheet or pandas can sort and filter them; ``first_bad_step`` is empty when the layer never
-went bad, ``min``/``max`` (the smallest and largest finite value) when no value was finite.
+went bad, ``min``/``max`` (the smallest and largest finite value), ``absmax`` and ``headroom_bits``
+when no value was finite.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import math
 import os
 from typing import Any
 
@@ -31,6 +33,16 @@ def _cell(v: Any) -> Any:
     return v
 
 
+def _value(r: Any, column: str) -> Any:
+    """A row's cell: none (empty) for the abs-max and the headroom of a layer with no finite value."""
+    if column == "absmax" and not r.finite:
+        return None
+    v = getattr(r, column)
+    if isinstance(v, float) and math.isnan(v):
+        return None
+    return v
+
+
 def render_csv(report: Report) -> str:
     """The CSV text: a header row, then every layer row grouped by kind."""
     buf = io.StringIO()
@@ -39,7 +51,7 @@ def render_csv(report: Report) -> str:
     kinds = [k for k in KIND_ORDER if report.rows(k)] + sorted({r.kind for r in report.layers} - set(KIND_ORDER))
     for kind in kinds:
         for r in report.rows(kind):
-            w.writerow([_cell(getattr(r, c)) for c in CSV_COLUMNS])
+            w.writerow([_cell(_value(r, c)) for c in CSV_COLUMNS])
     return buf.getvalue()
 
 

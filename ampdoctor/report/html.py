@@ -256,7 +256,7 @@ def _table(rows: Sequence[LayerRow], first: dict) -> str:
             f'<td class="l name" title="{_e(r.layer)}">{_e(r.layer + calls)}{mark}</td>',
             f'<td class="l">{_e(r.type)}</td>', f'<td class="l">{_e(r.dtype)}</td>',
             f'<td data-v="{_v(r.min)}">{_maybe(r.min)}</td>', f'<td data-v="{_v(r.max)}">{_maybe(r.max)}</td>',
-            f'<td data-v="{_v(r.absmax)}">{_num(r.absmax)}</td>',
+            f'<td data-v="{_v(r.absmax if r.finite else None)}">{_maybe(r.absmax if r.finite else None)}</td>',
             f'<td data-v="{_v(r.headroom_bits)}">{_bits(r.headroom_bits)}</td>',
             f'<td data-v="{_v(r.overflow_pct)}">{_pct(r.overflow_pct)}</td>',
             f'<td data-v="{_v(r.subnormal_pct)}">{_pct(r.subnormal_pct)}</td>',

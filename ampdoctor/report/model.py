@@ -72,6 +72,11 @@ class LayerRow:
     max: float | None = None
 
     @property
+    def finite(self) -> bool:
+        """Whether any recorded value was finite (else abs-max, min and max are none)."""
+        return self.numel > self.nan + self.inf
+
+    @property
     def bad(self) -> bool:
         return bool(self.nan or self.inf or self.overflow)
 
@@ -126,6 +131,8 @@ class Report:
             d = asdict(r)
             if not hist:
                 d.pop("hist")
+            if not r.finite:  # no finite value: no largest finite |x| (0.0 would read as all zeros)
+                d["absmax"] = None
             layers.append({k: _jsonable(v) for k, v in d.items()})
         return {
             "schema": "ampdoctor.report/1",

@@ -76,9 +76,10 @@ def layer_histogram(row: LayerRow, fmt: Format, *, ax: Axes | None = None, title
         dtype = "" if row.dtype in ("", None) else f" [{row.dtype}]"
         ax.set_title(title or f"{short_name(row.layer, 30)}{dtype}", loc="left")
         head = (f"headroom {row.headroom_bits:+.1f} bits" if math.isfinite(row.headroom_bits) else
+                f"{row.inf} Inf, no finite value" if row.inf and not row.finite else
                 f"{row.inf} Inf (abs-max of the finite values)" if row.inf else
                 "no finite value (all NaN)" if math.isnan(row.headroom_bits) else "no non-zero finite value")
-        stats = f"abs-max {row.absmax:.3g}  {head}\n" \
+        stats = (f"abs-max {row.absmax:.3g}  " if row.finite else "") + f"{head}\n" \
                 f"overflow {row.overflow_pct:.3g}%  subnormal {row.subnormal_pct:.3g}%  flush {row.flush_pct:.3g}%"
         ax.text(0.01, 0.97, stats, transform=ax.transAxes, va="top", ha="left", fontsize=6.5,
                 bbox={"facecolor": "white", "alpha": 0.8, "linewidth": 0, "pad": 1.5})

@@ -79,7 +79,7 @@ def render_text(report: Report, *, kinds: Sequence[str] = DEFAULT_KINDS, sort: s
             table.add_column(col, justify=just, no_wrap=not names, overflow="fold" if names else "ellipsis")
         for r in rows:
             calls = f" x{r.calls}" if r.calls > 1 else ""
-            table.add_row(r.layer + calls, r.type, r.dtype, fmt_num(r.absmax), fmt_bits(r.headroom_bits), fmt_pct(r.overflow_pct),
+            table.add_row(r.layer + calls, r.type, r.dtype, fmt_num(r.absmax) if r.finite else "-", fmt_bits(r.headroom_bits), fmt_pct(r.overflow_pct),
                           fmt_pct(r.subnormal_pct), fmt_pct(r.flush_pct), str(r.nan) if r.nan else "-",
                           str(r.inf) if r.inf else "-", "-" if r.first_bad_step is None else str(r.first_bad_step))
         con.print(table)
