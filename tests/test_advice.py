@@ -698,12 +698,12 @@ def test_a_divergence_with_a_grad_scaler_unscales_before_clipping(tmp_path):
 def test_a_nonfinite_gradient_from_the_loss_blames_the_loss_scale_only_when_there_is_one(tmp_path):
     from ampdoctor.trace import TraceWriter
 
-    def trace(path: Path, scaled: bool) -> Path:
+    def trace(path: Path, scaled: bool, last_loss: float = 1.5) -> Path:
         w = TraceWriter(path)
         w.set_meta(format="fp16", every=1, status="finished", argv=["synthetic"])
         w.add_layers([(0, "lin", "Linear", 0, 1, None)])
         for step in range(3):
-            w.add_step((step, [1.0, 1.0, float("inf")][step], 65536.0 if scaled else None,
+            w.add_step((step, [1.0, 1.0, last_loss][step], 65536.0 if scaled else None,
                         (1 if step == 2 else 0) if scaled else None, step + 1, 1, float(step)))
         w.add_event(2, "first_nonfinite", "lin", kind="gradient", call=0, producers=1, from_loss=True, scaled=scaled)
         w.commit()
@@ -712,8 +712,12 @@ def test_a_nonfinite_gradient_from_the_loss_blames_the_loss_scale_only_when_ther
 
     text = "\n".join(build_report(trace(tmp_path / "a.sqlite", False)).advice)
     assert "from the loss was non-finite at step 2: the loss overflowed" in text, text
-    text = "\n".join(build_report(trace(tmp_path / "b.sqlite", True)).advice)
-    assert "the loss (times the loss scale) overflowed" in text, text
+    # (a scaled one with a finite loss: test_a_scaled_gradient_from_the_loss_says_so_when_picked_from_the_scalers_skips)
+    # the loss itself Inf in forward: its computation overflowed, not its gradient times the scale (which it said)
+    text = "\n".join(build_report(trace(tmp_path / "c.sqlite", True, float("inf"))).advice)
+    assert "The loss itself was non-finite at step 2 while every watched layer's output was finite: its " \
+           "computation, outside the model, overflowed; compute the loss in FP32" in text, text
+    assert "times the loss scale" not in text, text
 
 
 def test_a_scaled_gradient_from_the_loss_says_so_when_picked_from_the_scalers_skips(tmp_path):
@@ -946,3 +950,28 @@ def test_absmax_just_past_the_fp16_max_is_not_printed_as_the_max(tmp_path):
         model(torch.randn(3, 4)).sum().backward()
     text = " ".join(render_text(build_report(trace)).split())
     assert " 65505 " in text and "6.55e+04" not in text, text
+
+
+def test_skips_that_stopped_once_the_scale_settled_are_not_persistent_overflow(tmp_path):
+    """Gradients that grew during training: skips after start-up while the scale only fell (steps 10-39),
+    then none for the last 20 steps. The advice said "persistent overflow. The scale fell to 2**6 without
+    the overflow stopping: a layer produces Inf/NaN (see the culprit)" with no culprit named."""
+    scales, skipped, s = [], [], 2.0 ** 16
+    for i in range(60):
+        skip = 10 <= i < 40 and i % 3 == 0
+        s = s / 2 if skip else s
+        scales.append(s)
+        skipped.append(int(skip))
+    p = synthetic_trace(tmp_path / "t.sqlite", grad_exps=[(-4, 10)], scales=scales, skipped=skipped)
+    rep = build_report(p)
+    h = scaler_health(rep)
+    assert (h.state, h.overflow_after_startup, h.last_skip_step, h.steps_after_last_skip) == ("settled", 10, 39, 20)
+    text = "\n".join(rep.advice)
+    assert "persistent" not in text and "see the culprit" not in text and "without the overflow stopping" not in text
+    assert ("10 after start-up with a finite loss while the scale fell from 2**16 to 2**6, the last at step 39; "
+            "none in the 20 steps after it") in text and "init_scale=64)" in text, text
+    # the same skips going on to the end are persistent, as before, and name no culprit that is not there
+    p = synthetic_trace(tmp_path / "p.sqlite", grad_exps=[(-4, 10)], scales=scales[:40], skipped=skipped[:40])
+    rep = build_report(p)
+    assert scaler_health(rep).state == "persistent"
+    assert "see the culprit" not in "\n".join(rep.advice)

@@ -612,3 +612,27 @@ def test_cli_summary_labels_fixes_and_an_input_that_came_in_too_large():
     assert "fix: Keep b (Linear) in FP32: ampdoctor.keep_fp32(model.b)" in lines
     assert any(line.startswith("cause: The input of b was already beyond") for line in lines), lines
     assert not any(line.startswith("fix: The input of") for line in lines)
+
+
+def test_a_loss_that_overflows_outside_the_model_is_said_to_be_the_loss(tmp_path):
+    """A loss computed in fp16 in user code (exp of a finite output) made the first Inf. bisect named the
+    last Linear, said its gradient "came in non-finite from outside the layer", and bisect.json had no
+    ``from_loss``; ``run`` said to compute the loss in FP32. Now bisect says so too, first."""
+    r = bisect("--out", tmp_path / "b", SCRIPTS / "loss_overflow.py")
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads((tmp_path / "b" / "bisect.json").read_text())
+    assert res["verdict"] == "culprit" and res["culprits"] == ["2"], res
+    assert res["first_nonfinite"] == {"layer": "2", "kind": "gradient", "step": 0, "from_loss": True,
+                                      "loss_nonfinite": True}, res["first_nonfinite"]
+    assert res["advice"][0].startswith("The loss overflowed outside the model (the loss was already non-finite at "
+                                       "step 0 while every watched layer's output was finite): compute the loss in "
+                                       "FP32"), res["advice"]
+    assert "keeping 2 in FP32 passes because its FP32 output makes the loss's ops run in FP32" in res["advice"][0]
+    out = " ".join(r.stdout.split())
+    assert "first non-finite: the gradient reaching 2 from the loss at step 0" in out, out
+    assert "came in non-finite from the loss" in out and "from outside the layer" not in out, out
+    from ampdoctor.report import build_report
+    report = build_report(tmp_path / "b")
+    assert report.advice[0] == res["advice"][0], report.advice
+    text = "\n".join(report.advice)
+    assert "Fix that layer" not in text and "see the first non-finite producer" not in text, text

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,6 +109,7 @@ def read_baseline(trace: str | Path, failure_step: int | None = None, reason: st
         events = r.events("first_nonfinite")
         grad_events = r.events("grad_nonfinite")
         wrapper = wrapper_of(e["detail"].get("message", "") for e in r.events("note") if e["layer"] is None)
+        losses = {st["step"]: st["loss"] for st in r.steps()}
     layers.sort(key=lambda lay: lay["ord"])
     names = [lay["name"] for lay in layers]
     # Every module that ran is a candidate: one with half-precision inputs may compute in fp16 and
@@ -156,6 +158,11 @@ def read_baseline(trace: str | Path, failure_step: int | None = None, reason: st
             first["input_nonfinite"] = True
         if e["detail"].get("at_start"):
             first["at_start"] = True
+        if e["detail"].get("from_loss"):  # the gradient entering the model from the loss: the loss overflowed
+            first["from_loss"] = True
+            loss = losses.get(e["step"])
+            if loss is not None and not math.isfinite(loss):
+                first["loss_nonfinite"] = True  # the loss itself, in forward: its computation, not its gradient
     types = {lay["name"]: lay["type"] for lay in all_layers}  # containers never called too (a ModuleDict)
     # weights stored in half precision: a pure .half()/.bfloat16() model, where autocast is not the fix
     half = {by_id[s["layer"]]["name"]: s["dtype"] for s in weights

@@ -48,6 +48,13 @@ def _stdin_piped() -> bool:
         return False
 
 
+def _from_loss(res: dict, layer: str) -> bool:
+    """Whether the baseline's first non-finite value was the loss's gradient entering ``layer`` (or a layer in it)."""
+    fn = res.get("first_nonfinite") or {}
+    at = fn.get("layer") or ""
+    return bool(fn.get("from_loss")) and (layer == "" or at == layer or at.startswith(layer + "."))
+
+
 def _summary(res: dict) -> str:
     lines = ["", f"verdict: {res['verdict']}"]
     if res.get("failure"):
@@ -61,6 +68,10 @@ def _summary(res: dict) -> str:
         elif fn.get("input_nonfinite"):
             lines.append(f"first non-finite: the input of {fn['layer'] or '(root)'} at step {fn['step']} (already "
                          "non-finite: the data, or code outside the watched model)")
+        elif fn.get("from_loss"):
+            lines.append(f"first non-finite: the gradient reaching {fn['layer'] or '(root)'} from the loss at step "
+                         f"{fn['step']}" + (" (the loss itself was non-finite: its computation overflowed)"
+                                            if fn.get("loss_nonfinite") else " (the loss's gradient overflowed)"))
         else:
             lines.append(f"first non-finite: {fn['kind']} of {fn['layer'] or '(root)'} at step {fn['step']}")
     if res["culprits"]:
@@ -69,8 +80,9 @@ def _summary(res: dict) -> str:
         amax = "inf" if o["absmax"] is None or o["absmax"] == float("inf") else f"{o['absmax']:.3g}"
         lines.append(f"  {o['pick']:>6} op in {o['layer'] or '(root)'}: {o['op']} at {o['where']} "
                      f"({o['phase']}, abs-max {amax}"
-                     f"{' when recomputed in FP32' if o.get('absmax_of') == 'fp32_recompute' else ''})" + (": its gradient came in non-finite from outside the layer"
-                                                          if o.get("came_in") else ""))
+                     f"{' when recomputed in FP32' if o.get('absmax_of') == 'fp32_recompute' else ''})" + (
+                         (": its gradient came in non-finite from the loss" if _from_loss(res, o["layer"]) else
+                          ": its gradient came in non-finite from outside the layer") if o.get("came_in") else ""))
     n = len(res["trials"])
     lines.append(f"{n} trial(s), {res.get('seconds', 0):.1f}s")
     if res["verdict"] == "healthy":

@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 from ..naming import half_weights_under, is_torch_module, module_expr, plain_fix, root_hint, wrapped_hint
 from ..oracle import OracleConfig
-from ..report.culprit import CAME_IN, recomputed_note
+from ..report.culprit import CAME_IN, LOSS_OVERFLOW, recomputed_note
 from ..trace import TraceReader
 from .candidates import Baseline, read_baseline
 from .search import find_culprits
@@ -145,6 +145,25 @@ def _came_in_too_large(trace: Path, culprits: Sequence[str], fmt: str) -> list[s
                    "the values grow before it, in the code that feeds it. Keeping it in FP32 works "
                    "around that; scaling or normalising its input where it is computed removes the cause.")
     return out
+
+
+def loss_advice(first: dict | None, culprits: Sequence[str]) -> list[str]:
+    """Where the baseline's first non-finite value was made by the loss (the gradient entering the model
+    from it, no layer producing it): computing the loss in FP32 is the fix; a culprit that is the layer
+    the loss reads (or holds it) passes only because its FP32 output makes the loss run in FP32."""
+    if not first or not first.get("from_loss"):
+        return []
+    layer = first.get("layer") or ""
+    what = (f"the loss was already non-finite at step {first.get('step')} while every watched layer's output was "
+            "finite" if first.get("loss_nonfinite") else
+            f"the gradient entering {layer or 'the model'} from the loss was non-finite at step {first.get('step')} "
+            "while every watched layer's output was finite")
+    reads = [c for c in culprits if c == "" or layer == c or layer.startswith(c + ".")]
+    why = (f"; keeping {', '.join(c or 'the whole model' for c in reads)} in FP32 passes because "
+           f"{'its' if len(reads) == 1 else 'their'} FP32 output makes the loss's ops run in FP32 too, at the cost "
+           "of that layer's speed" if reads else "")
+    return [f"{LOSS_OVERFLOW} outside the model ({what}): compute the loss in FP32 "
+            f"(`loss_fn(out.float(), y)`, or the loss's ops under `torch.autocast(device, enabled=False)`){why}."]
 
 
 def fix_snippets(culprits: Sequence[str], types: dict[str, str], ops: list[dict],
@@ -364,7 +383,8 @@ def _bisect(opts: BisectOptions, emit: Callable[[str, dict], None], runner: Tria
         for probed, trace in drills:
             ops += _ops_from(trace, probed)
     result["ops"] = ops
-    result["advice"] = fix_snippets(culprits, bl.types, ops, bl.half_weights, bl.wrapper)
+    result["advice"] = loss_advice(bl.first_nonfinite, culprits) + fix_snippets(culprits, bl.types, ops, bl.half_weights,
+                                                                               bl.wrapper)
     if opts.drill:
         for probed, trace in drills:
             result["advice"] += _came_in_too_large(trace, probed, opts.fmt)

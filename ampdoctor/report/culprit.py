@@ -15,6 +15,7 @@ __all__ = ["MATMUL_OPS", "culprits", "culprit_advice", "attention_advice", "reco
 
 # how bisect's advice line starts when a culprit's input was already beyond the format's max as it was called
 CAME_IN = "The input of "
+LOSS_OVERFLOW = "The loss overflowed"  # bisect's advice for a first non-finite value made by the loss
 MATMUL_OPS = ("matmul", "bmm", "baddbmm", "mm", "addmm", "linear", "einsum", "scaled_dot_product_attention")
 
 
@@ -144,6 +145,11 @@ def culprit_advice(report: Report) -> list[str]:
                 and fn["step"] <= report.timeline[n_start - 1]["step"]:
             return []  # the loss scale's overflow at a start-up backoff (the scaler's advice says what to change)
         if fn.get("from_loss"):
+            loss = next((t.get("loss") for t in report.timeline if t.get("step") == fn.get("step")), None)
+            if loss is not None and not math.isfinite(loss):  # the loss itself, in forward: not its gradient
+                return [f"The loss itself was non-finite at step {fn.get('step')} while every watched layer's output "
+                        "was finite: its computation, outside the model, overflowed; compute the loss in FP32 "
+                        "(`loss_fn(out.float(), y)`) and check it."]
             scaled = " (times the loss scale)" if fn.get("scaled") else ""  # (no GradScaler: no scale to blame)
             return [f"The gradient entering the model from the loss was non-finite at step {fn.get('step')}: the loss"
                     f"{scaled} overflowed; compute the loss in FP32 (`loss_fn(out.float(), y)`) and check it."]
@@ -169,6 +175,9 @@ def culprit_advice(report: Report) -> list[str]:
     else:  # what bisect's drill-down saw of the culprits' inputs (bisect.json's advice)
         lines += weights
         lines += [a for a in (report.bisect or {}).get("advice") or [] if isinstance(a, str) and a.startswith(CAME_IN)]
+        # the loss made the first NaN/Inf: computing it in FP32 is the fix to try first
+        lines[:0] = [a for a in (report.bisect or {}).get("advice") or [] if isinstance(a, str)
+                     and a.startswith(LOSS_OVERFLOW)]
     return lines
 
 

@@ -1,5 +1,6 @@
 """GradScaler health from the recorded scale and skipped steps: :func:`scaler_health` classifies
-the run (healthy, start-up backoffs, occasional/frequent/persistent overflow, collapse, huge, every
+the run (healthy, start-up backoffs, occasional/frequent/persistent overflow, skips that stopped once the
+scale settled, collapse, huge, every
 step skipped, skips only where the forward broke),
 :func:`scaler_advice` says what that means and what to change."""
 
@@ -22,7 +23,8 @@ DEFAULT_INIT_SCALE = 2.0 ** 16  # torch.amp.GradScaler's init_scale
 @dataclass
 class ScalerHealth:
     """The GradScaler's record: ``state`` is one of the classes above ("none": no GradScaler ran)."""
-    # none | healthy | startup | occasional | frequent | persistent | collapse | below_one (the scale fell
+    # none | healthy | startup | occasional | frequent | persistent | settled (skips after start-up while the scale
+    # only fell, then none for 10 steps or more) | collapse | below_one (the scale fell
     # below 1, and steps were taken from then on: gradients too large for scale 1) | huge | unsettled (every step
     # skipped, the scale still >= 1: start-up backoffs that had not ended, or a failure) | nan (every step
     # skipped, the gradients NaN without Inf: not the scale) | forward (the only skips after start-up had a
@@ -40,6 +42,8 @@ class ScalerHealth:
     overflow_after_startup: int = 0  # skipped steps after start-up with a finite loss: the scaled gradients overflowed
     tail_skips: int = 0  # skipped steps among the last 10 after start-up (``tail_len`` of them)
     tail_len: int = 0
+    last_skip_step: int | None = None  # the step of the last skip (None: no skip)
+    steps_after_last_skip: int = 0  # steps recorded after it (all taken)
 
 
 def scaler_health(report: Report) -> ScalerHealth:
@@ -75,8 +79,9 @@ def scaler_health(report: Report) -> ScalerHealth:
         state = "huge"  # (it grew there: a huge init_scale that only fell is start-up backoffs, not tiny gradients)
     elif n_overflow > max(2, 0.05 * len(after)):
         # skipped again and again: into a scale that grew back, or (too few steps for the tail's rule) while it
-        # only fell
-        state = "frequent" if grew else "persistent"
+        # only fell; one that only fell and then stopped skipping for 10 steps or more settled where the
+        # gradients fit (they grew during training): the overflow did not persist
+        state = "frequent" if grew else "settled" if len(tail) >= 10 and not any(tail) else "persistent"
     elif n_overflow:
         state = "occasional"
     elif bad_loss:
@@ -86,8 +91,10 @@ def scaler_health(report: Report) -> ScalerHealth:
     else:
         state = "healthy"
     first = scales[0] * (2.0 if skipped and skipped[0] else 1.0)
+    last = max((i for i, sk in enumerate(skipped) if sk), default=None)
     return ScalerHealth(state, len(tl), sum(skipped), startup, n_after, first, scales[-1], min(scales), max(scales),
-                        bad_loss, n_overflow, sum(tail), len(tail))
+                        bad_loss, n_overflow, sum(tail), len(tail), tl[last]["step"] if last is not None else None,
+                        len(tl) - 1 - last if last is not None else 0)
 
 
 def scaler_advice(report: Report, h: ScalerHealth, ls: LossScaleAnalysis | None) -> list[str]:
@@ -98,13 +105,23 @@ def scaler_advice(report: Report, h: ScalerHealth, ls: LossScaleAnalysis | None)
         return f"2**{math.log2(v):.0f}" if v and v > 0 else "0"
 
     base = f"GradScaler: {h.skipped} of {plural(h.steps, 'step')} skipped"
-    see = ("see the first non-finite producer" if report.diagnosis.first_nonfinite else
+    fn = report.diagnosis.first_nonfinite or {}
+    from_loss = bool(fn.get("from_loss"))
+    see = ("its computation, outside the watched layers, overflowed: compute the loss in FP32" if from_loss else
+           "see the first non-finite producer" if fn else
            "its producer was not recorded: rerun with --every 1 to see which layer makes it"
            if int(report.meta.get("every") or 1) > 1 else "no watched layer's output was non-finite: the loss "
            "computation outside the model, or the data")
-    forward = (f" The loss itself was NaN/Inf in {h.nonfinite_loss_skips} of the skipped steps: the forward pass "
-               f"produces it ({see}), which no loss scale fixes."
-               if h.nonfinite_loss_skips else "")
+    # what makes the Inf/NaN, for the states where the scale did not fix it
+    maker = ("the loss computation, outside the watched layers" if from_loss else
+             "a layer that produces it (above)" if fn else
+             f"something that produces it ({see})")
+    fix = ("Compute the loss in FP32 (above)" if from_loss else "Fix that layer (above)" if fn else "Find where it is made")
+    forward = ("" if not h.nonfinite_loss_skips else
+               f" The loss itself was NaN/Inf in {h.nonfinite_loss_skips} of the skipped steps ({see}), which no loss "
+               "scale fixes." if from_loss else
+               f" The loss itself was NaN/Inf in {h.nonfinite_loss_skips} of the skipped steps: the forward pass "
+               f"produces it ({see}), which no loss scale fixes.")
     if h.state == "below_one":
         # (with a NaN/Inf loss among the skips the forward did produce one: the steps after prove only the scale)
         went = ("steps went through at that scale" if h.nonfinite_loss_skips else
@@ -116,14 +133,20 @@ def scaler_advice(report: Report, h: ScalerHealth, ls: LossScaleAnalysis | None)
                 "below 1 (see the loss-scale range) so the first steps are not skipped." + forward]
     if h.state == "collapse":
         return [f"{base}; its scale collapsed from {lg(h.first_scale)} to {lg(h.min_scale)} (below 1): gradients "
-                "overflow at every scale, so the Inf/NaN comes from a layer that produces it, not from the loss scale. "
-                "Fix that layer (above); changing init_scale will not help." + forward]
+                f"overflow at every scale, so the Inf/NaN comes from {maker}, not from the loss scale. "
+                f"{fix}; changing init_scale will not help." + forward]
     if h.state == "persistent":
         where = ("most of the last 10" if h.tail_skips * 2 > h.tail_len >= 5 else
                  "again and again while the scale only fell")
         return [f"{base}, {h.skipped_after_startup} after start-up, {where}: persistent overflow. The scale "
-                f"fell to {lg(h.last_scale)} without the overflow stopping: a layer produces Inf/NaN (see the culprit), "
+                f"fell to {lg(h.last_scale)} without the overflow stopping: the Inf/NaN comes from {maker}, "
                 "or the gradients span more binades than the format holds." + forward]
+    if h.state == "settled":
+        return [f"{base}, {h.overflow_after_startup} after start-up with a finite loss while the scale fell from "
+                f"{lg(h.first_scale)} to {lg(h.last_scale)}, the last at step {h.last_skip_step}; none in the "
+                f"{h.steps_after_last_skip} steps after it: the gradients grew during training and the scale settled "
+                f"where they fit. Not a failure while steps go through; `GradScaler(init_scale="
+                f"{scale_literal(round(math.log2(h.last_scale))) if h.last_scale else 1})` starts there." + forward]
     if h.state == "nan":
         return [f"{base} and none taken; the scale fell from {lg(h.first_scale)} to {lg(h.min_scale)} without the skips "
                 "stopping. These are not start-up backoffs: the gradients held NaN but no Inf, "
