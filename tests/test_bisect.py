@@ -636,3 +636,23 @@ def test_a_loss_that_overflows_outside_the_model_is_said_to_be_the_loss(tmp_path
     assert report.advice[0] == res["advice"][0], report.advice
     text = "\n".join(report.advice)
     assert "Fix that layer" not in text and "see the first non-finite producer" not in text, text
+
+
+def test_horizons_are_the_steps_run_when_the_script_ends_before_them(tmp_path):
+    """linear_overflow fails at step 18; with --steps 22 the script ends before the trials' horizon (27) and
+    the control's (54). bisect.json claimed pass_after 27 and control_pass_after 54: steps no trial ran."""
+    r = bisect("--out", tmp_path / "b", FIXTURES / "linear_overflow.py", "--steps", "22")
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads((tmp_path / "b" / "bisect.json").read_text())
+    assert res["verdict"] == "culprit" and res["culprits"] == ["net.2"], res
+    passed = [t["step"] for t in res["trials"] if t["outcome"] == "pass"]
+    assert passed and set(passed) == {22}, res["trials"]
+    assert (res["pass_after"], res["control_pass_after"]) == (22, 22), res
+    (note,) = [n for n in res["notes"] if n.startswith("the script ended after 22 steps")]
+    assert "before step 27 (the failure step plus the margin)" in note and "control's step 54" in note, note
+    assert "note: the script ended after 22 steps" in r.stdout, r.stdout
+    # a script that runs on past the horizons keeps them
+    r = bisect("--out", tmp_path / "c", FIXTURES / "linear_overflow.py", "--steps", "60")
+    res = json.loads((tmp_path / "c" / "bisect.json").read_text())
+    assert (res["pass_after"], res["control_pass_after"]) == (27, 54), res
+    assert not any(n.startswith("the script ended") for n in res.get("notes", [])), res["notes"]

@@ -258,6 +258,9 @@ def _bisect(opts: BisectOptions, emit: Callable[[str, dict], None], runner: Tria
     """The procedure itself (see :func:`run_bisect`), filling ``result``."""
 
     def finish(verdict: str, **extra: Any) -> dict:
+        ended = _script_end_notes(result, runner)
+        if ended:
+            extra["notes"] = list(extra.get("notes") or result.get("notes") or []) + ended
         _write_result(result, runner, out, t_start, verdict, **extra)
         emit("done", result)
         return result
@@ -394,6 +397,28 @@ def _bisect(opts: BisectOptions, emit: Callable[[str, dict], None], runner: Tria
                              "making its output FP32 for the layers after it (type promotion); look at where the values "
                              "grow next (the report's first non-finite producer)")
     return finish("culprit", notes=notes)
+
+
+def _script_end_notes(result: dict, runner: TrialRunner) -> list[str]:
+    """Where the script ended before a passing trial reached its horizon (``pass_after``, or the control's
+    ``control_pass_after``), the trials were checked up to the script's end only: the horizons in
+    ``result`` become the steps those trials ran (they claimed steps no trial ran), and a note says so."""
+    short = []
+    for key, control in (("pass_after", False), ("control_pass_after", True)):
+        horizon = result.get(key)
+        ran = [t.step or t.steps for t in runner.trials if t.outcome == "pass" and (t.name == "all-fp32") == control
+               and not t.name.startswith(("baseline", "fp32-reference", "drill-down"))]
+        if horizon is None or not ran or max(ran) >= horizon:
+            continue
+        result[key] = max(ran)
+        short.append((max(ran), f"the all-FP32 control's step {horizon}" if control else
+                      f"step {horizon} (the failure step plus the margin) that the trials run to"))
+    if not short:
+        return []
+    ends = sorted({n for n, _ in short})
+    return [f"the script ended after {' or '.join(map(str, ends))} steps, before {' and '.join(w for _, w in short)}: "
+            "the trials that passed were checked up to its end only; give it more steps (its own argument) to check "
+            "further"]
 
 
 def _control_oracle(opts: BisectOptions) -> dict:
