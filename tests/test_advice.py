@@ -975,3 +975,29 @@ def test_skips_that_stopped_once_the_scale_settled_are_not_persistent_overflow(t
     rep = build_report(p)
     assert scaler_health(rep).state == "persistent"
     assert "see the culprit" not in "\n".join(rep.advice)
+
+
+@pytest.mark.parametrize("detail,maker,fix", [
+    ({"kind": "activation", "input_nonfinite": True}, "comes from the code that feeds lin, outside the watched layers",
+     "Fix that code (above)"),
+    ({"kind": "gradient", "from_loss": True}, "comes from the loss computation, outside the watched layers",
+     "Compute the loss in FP32 (above)"),
+    ({"kind": "activation"}, "comes from a layer that produces it (above)", "Fix that layer (above)"),
+])
+def test_a_collapsed_scale_names_what_made_the_nan(tmp_path, detail, maker, fix):
+    """Every step skipped, the scale below 1: the advice said "the Inf/NaN comes from a layer that produces it
+    ... Fix that layer (above)" when no layer made it (its input came in NaN, or the loss overflowed)."""
+    from ampdoctor.trace import TraceWriter
+
+    w = TraceWriter(tmp_path / "t.sqlite")
+    w.set_meta(format="fp16", every=1, status="finished", argv=["synthetic"])
+    w.add_layers([(0, "lin", "Linear", 0, 1, None)])
+    for step in range(30):
+        w.add_step((step, float("nan"), 2.0 ** (15 - step), 1, step + 1, 1, float(step)))
+    w.add_event(0, "first_nonfinite", "lin", call=0, producers=0, **detail)
+    w.commit()
+    w.close()
+    text = " ".join("\n".join(build_report(tmp_path / "t.sqlite").advice).split())
+    assert "collapsed" in text and maker in text and fix in text, text
+    if detail.get("input_nonfinite") or detail.get("from_loss"):
+        assert "Fix that layer" not in text and "a layer that produces it" not in text, text

@@ -108,15 +108,20 @@ def scaler_advice(report: Report, h: ScalerHealth, ls: LossScaleAnalysis | None)
     fn = report.diagnosis.first_nonfinite or {}
     from_loss = bool(fn.get("from_loss"))
     see = ("its computation, outside the watched layers, overflowed: compute the loss in FP32" if from_loss else
+           f"the input of {fn.get('layer') or '(root)'} was already non-finite: the code that feeds it, or the data"
+           if fn.get("input_nonfinite") else
            "see the first non-finite producer" if fn else
            "its producer was not recorded: rerun with --every 1 to see which layer makes it"
            if int(report.meta.get("every") or 1) > 1 else "no watched layer's output was non-finite: the loss "
            "computation outside the model, or the data")
     # what makes the Inf/NaN, for the states where the scale did not fix it
+    fed = fn.get("layer") or "(root)"
     maker = ("the loss computation, outside the watched layers" if from_loss else
+             f"the code that feeds {fed}, outside the watched layers (above)" if fn.get("input_nonfinite") else
              "a layer that produces it (above)" if fn else
              f"something that produces it ({see})")
-    fix = ("Compute the loss in FP32 (above)" if from_loss else "Fix that layer (above)" if fn else "Find where it is made")
+    fix = ("Compute the loss in FP32 (above)" if from_loss else "Fix that code (above)" if fn.get("input_nonfinite") else
+           "Fix that layer (above)" if fn else "Find where it is made")
     forward = ("" if not h.nonfinite_loss_skips else
                f" The loss itself was NaN/Inf in {h.nonfinite_loss_skips} of the skipped steps ({see}), which no loss "
                "scale fixes." if from_loss else
