@@ -1001,3 +1001,24 @@ def test_a_collapsed_scale_names_what_made_the_nan(tmp_path, detail, maker, fix)
     assert "collapsed" in text and maker in text and fix in text, text
     if detail.get("input_nonfinite") or detail.get("from_loss"):
         assert "Fix that layer" not in text and "a layer that produces it" not in text, text
+
+
+def test_a_second_models_root_is_named_as_the_whole_of_it_in_prose(tmp_path):
+    """A second watched model's root is the layer ``Linear:``; the diagnosis and advice said "the input of
+    Linear: was already non-finite", which reads as a cut-off name."""
+    from ampdoctor.report.phrasing import shown_layer
+    from ampdoctor.trace import TraceWriter
+
+    assert (shown_layer(""), shown_layer(None), shown_layer("D:"), shown_layer("net.2")) == \
+        ("(root)", "(root)", "D: (whole model)", "net.2")
+    w = TraceWriter(tmp_path / "t.sqlite")
+    w.set_meta(format="fp16", every=1, status="finished", argv=["synthetic"])
+    w.add_layers([(0, "", "Linear", 0, 1, None), (1, "Linear:", "Linear", 1, 1, None)])
+    for step in range(3):
+        w.add_step((step, float("nan"), None, None, step + 1, 1, float(step)))
+    w.add_event(0, "first_nonfinite", "Linear:", kind="activation", call=0, producers=0, input_nonfinite=True)
+    w.commit()
+    w.close()
+    rep = build_report(tmp_path / "t.sqlite")
+    text = " ".join("\n".join(rep.advice).split())
+    assert "The input of Linear: (whole model) was already non-finite at step 0" in text, text

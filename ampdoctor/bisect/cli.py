@@ -14,6 +14,7 @@ import click
 from ..formats import FORMATS
 from ..oracle import OracleConfig
 from ..report.culprit import CAME_IN
+from ..report.phrasing import shown_layer
 from .driver import CONTROL_BLOWUP
 
 _ORACLE = OracleConfig()  # its defaults, shown in --help
@@ -63,22 +64,22 @@ def _summary(res: dict) -> str:
     if res.get("first_nonfinite"):
         fn = res["first_nonfinite"]
         if fn.get("at_start"):
-            lines.append(f"first non-finite: the weights of {fn['layer'] or '(root)'}, already NaN/Inf when the run "
+            lines.append(f"first non-finite: the weights of {shown_layer(fn['layer'])}, already NaN/Inf when the run "
                          "began (a checkpoint saved after a run broke, or a bad initialisation)")
         elif fn.get("input_nonfinite"):
-            lines.append(f"first non-finite: the input of {fn['layer'] or '(root)'} at step {fn['step']} (already "
+            lines.append(f"first non-finite: the input of {shown_layer(fn['layer'])} at step {fn['step']} (already "
                          "non-finite: the data, or code outside the watched model)")
         elif fn.get("from_loss"):
-            lines.append(f"first non-finite: the gradient reaching {fn['layer'] or '(root)'} from the loss at step "
+            lines.append(f"first non-finite: the gradient reaching {shown_layer(fn['layer'])} from the loss at step "
                          f"{fn['step']}" + (" (the loss itself was non-finite: its computation overflowed)"
                                             if fn.get("loss_nonfinite") else " (the loss's gradient overflowed)"))
         else:
-            lines.append(f"first non-finite: {fn['kind']} of {fn['layer'] or '(root)'} at step {fn['step']}")
+            lines.append(f"first non-finite: {fn['kind']} of {shown_layer(fn['layer'])} at step {fn['step']}")
     if res["culprits"]:
         lines.append("culprit(s): " + ", ".join(map(_shown, res["culprits"])))
     for o in res.get("ops", []):
         amax = "inf" if o["absmax"] is None or o["absmax"] == float("inf") else f"{o['absmax']:.3g}"
-        lines.append(f"  {o['pick']:>6} op in {o['layer'] or '(root)'}: {o['op']} at {o['where']} "
+        lines.append(f"  {o['pick']:>6} op in {shown_layer(o['layer'])}: {o['op']} at {o['where']} "
                      f"({o['phase']}, abs-max {amax}"
                      f"{' when recomputed in FP32' if o.get('absmax_of') == 'fp32_recompute' else ''})" + (
                          (": its gradient came in non-finite from the loss" if _from_loss(res, o["layer"]) else

@@ -9,7 +9,7 @@ import math
 from ..naming import half_weights_under, is_torch_module, plain_fix, root_hint, wrapped_hint, wrapper_of
 from ..trace import TraceReader
 from .model import LayerRow, Report, grew_tenfold, startup_backoffs
-from .phrasing import fmt_num, module_expr
+from .phrasing import fmt_num, module_expr, shown_layer
 
 __all__ = ["MATMUL_OPS", "culprits", "culprit_advice", "attention_advice", "recomputed_note"]
 
@@ -131,13 +131,13 @@ def culprit_advice(report: Report) -> list[str]:
     if not names:
         fn = report.diagnosis.first_nonfinite or {}
         if fn.get("input_nonfinite"):
-            return [f"The input of {fn.get('layer') or '(root)'} was already non-finite at step {fn.get('step')}: "
+            return [f"The input of {shown_layer(fn.get('layer'))} was already non-finite at step {fn.get('step')}: "
                     "check the data and the code outside the watched model; forcing FP32 will not help."]
         if fn.get("layer") is not None and not fn.get("input_nonfinite") and _all_fp32(report) \
                 and (report.bisect or {}).get("verdict") not in ("not_precision", "healthy"):
             what = {"activation": "output", "gradient": "gradient", "weight_grad": "weight gradient"}.get(
                 fn.get("kind"), fn.get("kind"))
-            return [f"The first non-finite value ({fn.get('layer') or '(root)'}'s {what} at step {fn.get('step')}) was "
+            return [f"The first non-finite value ({shown_layer(fn.get('layer'))}'s {what} at step {fn.get('step')}) was "
                     "produced in FP32 (every activation of this run was float32): keeping a layer in FP32 will not "
                     "help; look at the learning rate, the data and the loss."]
         n_start = startup_backoffs(report.timeline)

@@ -15,7 +15,7 @@ import numpy as np
 from ..formats import Format, get_format
 from ..oracle import NAN_SKIPS, Decision, Oracle, OracleConfig, trailing_nonfinite_start
 from ..trace import TraceReader, _pid_alive, _rank_of, find_traces, rank_siblings
-from .phrasing import plural
+from .phrasing import plural, shown_layer
 
 KIND_TITLES = {
     "activation": "Activations (forward outputs)",
@@ -425,28 +425,28 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
         what = {"activation": "forward output", "gradient": "gradient", "weight_grad": "weight gradient",
                 "weight": "weights"}.get(fn["kind"], fn["kind"])
         if fn.get("input_nonfinite"):
-            lines.append(f"First non-finite value: step {fn['step']}, the input of {fn['layer'] or '(root)'} was already "
+            lines.append(f"First non-finite value: step {fn['step']}, the input of {shown_layer(fn['layer'])} was already "
                          "non-finite (the data, or code outside the watched model).")
         elif fn["kind"] == "weight" and fn.get("at_start"):
-            lines.append(f"First non-finite value: the weights of {fn['layer'] or '(root)'} were already NaN/Inf when "
+            lines.append(f"First non-finite value: the weights of {shown_layer(fn['layer'])} were already NaN/Inf when "
                          "watch() began, before any step (a checkpoint saved after a run broke, or a bad "
                          "initialisation): fix them first; the NaN they give is not a precision problem.")
         elif fn["kind"] == "weight":
-            lines.append(f"First non-finite value: step {fn['step']}, the weights of {fn['layer'] or '(root)'}: the "
+            lines.append(f"First non-finite value: step {fn['step']}, the weights of {shown_layer(fn['layer'])}: the "
                          "optimizer step made them non-finite (an overflowing update or weight gradient; with DDP, "
                          "a non-finite gradient from another rank).")
         elif fn.get("from_loss"):
-            lines.append(f"First non-finite value: step {fn['step']}, the gradient reaching {fn['layer'] or '(root)'} "
+            lines.append(f"First non-finite value: step {fn['step']}, the gradient reaching {shown_layer(fn['layer'])} "
                          "from the loss" + (" (scaled by the GradScaler)." if fn.get("scaled") else "."))
         else:
-            lines.append(f"First non-finite value: step {fn['step']}, {what} of {fn['layer'] or '(root)'} "
+            lines.append(f"First non-finite value: step {fn['step']}, {what} of {shown_layer(fn['layer'])} "
                          "(it produced NaN/Inf from finite inputs; later layers only propagate it).")
     if spread is not None:
         what = {"activation": "a forward output", "gradient": "a gradient", "weight_grad": "a weight gradient",
                 "weight": "the weights"}.get(spread["kind"], spread["kind"])
         lines.append(f"The loss was non-finite from step {first_loss_bad} (layer statistics sampled every {every} "
                      f"steps): the first non-finite value recorded (step {spread['step']}, {what} of "
-                     f"{spread['layer'] or '(root)'}) came after it, when NaN had spread through the updates, so it does "
+                     f"{shown_layer(spread['layer'])}) came after it, when NaN had spread through the updates, so it does "
                      "not say which layer made it. Rerun with --every 1 to pin it.")
     elif fn is None and every > 1 and first_loss_bad is not None and first_loss_bad % every:
         lines.append(f"The loss was non-finite at step {first_loss_bad}, which was not recorded in detail (layer statistics "

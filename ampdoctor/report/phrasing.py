@@ -52,3 +52,11 @@ def pow2(k: int) -> str:
 def scale_literal(k: int) -> str:
     """A power-of-two scale as Python: ``65536`` up to 2**24, ``2.0**33`` beyond (or below 1)."""
     return str(2 ** k) if 0 <= k <= 24 else f"2.0**{k}"
+
+
+def shown_layer(name: str | None) -> str:
+    """A layer's name in prose: ``(root)`` for the model itself (``""``); a second model's root (``D:``) as
+    ``D: (whole model)``, which ``D:`` alone does not say."""
+    if not name:
+        return "(root)"
+    return f"{name} (whole model)" if name.endswith(":") else name

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from ..oracle import NAN_SKIPS
 from .lossscale import LossScaleAnalysis
 from .model import Report, nan_without_inf, never_stepped, startup_backoffs
-from .phrasing import plural, pow2, scale_literal
+from .phrasing import plural, pow2, scale_literal, shown_layer
 
 __all__ = ["HUGE_SCALE", "ScalerHealth", "scaler_health", "scaler_advice"]
 
@@ -108,14 +108,14 @@ def scaler_advice(report: Report, h: ScalerHealth, ls: LossScaleAnalysis | None)
     fn = report.diagnosis.first_nonfinite or {}
     from_loss = bool(fn.get("from_loss"))
     see = ("its computation, outside the watched layers, overflowed: compute the loss in FP32" if from_loss else
-           f"the input of {fn.get('layer') or '(root)'} was already non-finite: the code that feeds it, or the data"
+           f"the input of {shown_layer(fn.get('layer'))} was already non-finite: the code that feeds it, or the data"
            if fn.get("input_nonfinite") else
            "see the first non-finite producer" if fn else
            "its producer was not recorded: rerun with --every 1 to see which layer makes it"
            if int(report.meta.get("every") or 1) > 1 else "no watched layer's output was non-finite: the loss "
            "computation outside the model, or the data")
     # what makes the Inf/NaN, for the states where the scale did not fix it
-    fed = fn.get("layer") or "(root)"
+    fed = shown_layer(fn.get("layer"))
     maker = ("the loss computation, outside the watched layers" if from_loss else
              f"the code that feeds {fed}, outside the watched layers (above)" if fn.get("input_nonfinite") else
              "a layer that produces it (above)" if fn else
