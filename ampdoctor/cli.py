@@ -312,12 +312,13 @@ def run(out, fmt, every, max_steps, all_modules, nproc, json_path, html_path, so
     cwd = os.getcwd()
     args = _script_args(script_args)
 
-    def show(result) -> None:
+    def show(result):
         os.chdir(cwd)  # a script that changed directory: --out, --json, --html are relative to where we were started
         report = build_report(result.trace)
         _print_report(report, sort, top, only_bad, match, kinds)
         _write_outputs(report, json_path, html_path, None, out_dir)
         click.echo(f"run folder: {out_dir}  (re-render: ampdoctor report {shlex.quote(str(out_dir))})")
+        return report
 
     def hard_exit(result) -> None:  # the script called os._exit(): the report now, then that exit
         show(result)
@@ -336,7 +337,7 @@ def run(out, fmt, every, max_steps, all_modules, nproc, json_path, html_path, so
     if not result.trained and result.status == "finished" and {"-h", "--help"} & set(args):
         click.echo(f"ampdoctor: {script} printed its help and trained nothing (nothing recorded).", err=True)
         sys.exit(0)
-    show(result)
+    report = show(result)
     if result.status == "crashed":
         click.echo(f"\nThe script raised {result.error}\n{result.traceback or ''}", err=True)
         click.echo(f"ampdoctor: {script} failed after {result.completed} completed step(s); the trace of what ran is kept in "
@@ -353,6 +354,12 @@ def run(out, fmt, every, max_steps, all_modules, nproc, json_path, html_path, so
                    "environment variables, no mp.spawn) and run "
                    f"`ampdoctor run --nproc-per-node N {shlex.quote(script)}`; or for one process, call the training "
                    "function directly.", err=True)
+        sys.exit(result.exit_code or EXIT_NEVER_TRAINED)
+    if not result.trained and report.diagnosis.broke:
+        # the loop ran, but every step was left out on a NaN/Inf (`if not loss.isfinite(): continue`): a failure
+        click.echo(f"ampdoctor: {script} took no optimizer step: training broke at step {report.diagnosis.step} "
+                   "(see the diagnosis above) and no optimizer.step() or GradScaler.update() ran after it (a script "
+                   "that skips the step on a non-finite loss never steps).", err=True)
         sys.exit(result.exit_code or EXIT_NEVER_TRAINED)
     if not result.trained:
         click.echo(f"ampdoctor: {script} never trained: no optimizer.step() or GradScaler.update() ran. Check that the "

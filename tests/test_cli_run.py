@@ -472,3 +472,19 @@ def test_sigterm_ends_a_run_as_ctrl_c_does(tmp_path):
     rep = json.loads((out / "report.json").read_text())
     assert any("interrupted (SIGTERM)" in line for line in rep["diagnosis"]["lines"]), rep["diagnosis"]
     assert rep["meta"]["status"] == "interrupted" and len(rep["timeline"]) == 1
+
+
+def test_a_script_that_leaves_out_every_nan_step_broke_it_did_not_train_nothing(tmp_path):
+    """`if not loss.isfinite(): continue` from the first forward on: no optimizer step ever runs. `run` said
+    "never trained ... Check that the script runs its training loop with these arguments" under a report
+    saying training broke at step 0, and bisect gave up with verdict error ("the script never trained")."""
+    r = amp("run", "--out", tmp_path / "run", SCRIPTS / "skips_nonfinite_steps.py")
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "Training broke at step 0" in r.stdout, r.stdout
+    err = " ".join(r.stderr.split())
+    assert "took no optimizer step: training broke at step 0" in err and "never trained" not in err, err
+    r = amp("bisect", "--out", tmp_path / "b", SCRIPTS / "skips_nonfinite_steps.py", timeout=300)
+    res = json.loads((tmp_path / "b" / "bisect.json").read_text())
+    assert res["verdict"] == "culprit" and res["failure"] == {"step": 0, "reason": "nonfinite_loss"}, res
+    assert res["culprits"][0] == "0", res["culprits"]
+    assert r.returncode == 0, r.stdout + r.stderr

@@ -220,7 +220,9 @@ class TrialRunner:
                 tail = _tail(folder / "stderr.txt")
                 err = f"{err}: {tail}" if tail else err
             return Trial(outcome="error", error=err, steps=steps, extra={"traceback": data.get("traceback")}, **base)
-        if not data.get("trained", True):
+        if not data.get("trained", True) and not (data["status"] == "finished" and last_loss_bad is not None):
+            # (a loop that left out every step on a NaN/Inf, `if not loss.isfinite(): continue`, did run: it
+            # fails below, at the step its outputs went non-finite)
             return Trial(outcome="error", steps=steps, error="the script never trained (no optimizer.step() or "
                          "GradScaler.update() ran)", **base)
         if dec.get("outcome") == "fail":
