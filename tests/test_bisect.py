@@ -542,8 +542,10 @@ def test_baseline_first_nonfinite_of_a_scale_collapse_is_at_the_failure(tmp_path
         w.add_event(step, "grad_nonfinite", layer, kind="gradient", scaled=True)
     w.close()
     assert read_baseline(tmp_path / "t.sqlite").first_nonfinite == {"layer": "1", "kind": "gradient", "step": 0}
-    got = read_baseline(tmp_path / "t.sqlite", 20, "scale_collapse").first_nonfinite
-    assert got == {"layer": "0", "kind": "gradient", "step": 20}
+    got = read_baseline(tmp_path / "t.sqlite", 20, "scale_collapse")
+    assert got.first_nonfinite == {"layer": "0", "kind": "gradient", "step": 20}
+    # and the search tries that layer first, not the start-up backoff's (it named "1")
+    assert got.hints == ["0"], got.hints
 
 
 def test_fix_snippets_name_the_model_inside_a_ddp_wrapper():

@@ -231,3 +231,61 @@ def test_an_interrupt_right_after_a_trial_started_still_ends_it(tmp_path, monkey
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+
+
+# -- hints: the layer whose gradient first went non-finite, not a start-up backoff's ------------------
+
+class _SoftCube(torch.autograd.Function):
+    """A custom op whose backward overflows fp16 (``3 * x * x`` before the ``1e-6``); its forward is in range."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return (x * 0.01) ** 3
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * (3 * x * x) * 1e-6
+
+
+class _CubeNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1 = torch.nn.Linear(16, 64)
+        self.act = torch.nn.Module()
+        self.act.forward = lambda x: _SoftCube.apply(x)
+        self.l2 = torch.nn.Linear(64, 1)
+
+    def forward(self, x):
+        return self.l2(self.act(self.l1(x)))
+
+
+def _train_cube(steps: int = 40) -> None:
+    torch.manual_seed(0)
+    m = _CubeNet()
+    opt = torch.optim.SGD(m.parameters(), lr=1e-4)
+    scaler = torch.amp.GradScaler("cpu")
+    for step in range(steps):
+        x = torch.randn(32, 16) * (1 + 4 * step)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.mse_loss(m(x).float(), torch.full((32, 1), 30.0))
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+
+def test_the_layer_whose_gradient_went_nonfinite_is_tried_first(tmp_path):
+    """The loss's scaled gradient overflows at the start-up backoffs (the run's one backward
+    first_nonfinite event, from the loss); from step 19 ``act``'s backward overflows while the scale
+    collapses. The diagnosis named ``act``, but no hint did, so the search tried ``l1`` first, which
+    passes too (its FP32 output makes ``act`` compute in FP32), and named ``l1`` the culprit."""
+    import ampdoctor
+    from ampdoctor.bisect.candidates import read_baseline
+
+    res = ampdoctor.bisect(_train_cube, out=tmp_path, drill=False)
+    assert res["first_nonfinite"] == {"layer": "act", "kind": "gradient", "step": 19}, res
+    assert res["verdict"] == "culprit" and res["culprits"] == ["act"], res
+    bl = read_baseline(tmp_path / "trials" / "00-baseline" / "trace.sqlite", 19, "scale_collapse")
+    assert bl.hints[:1] == ["act"], bl.hints

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..naming import split_owner, wrapper_of
+from ..report.model import startup_backoffs
 from ..trace import TraceReader
 
 
@@ -109,7 +110,8 @@ def read_baseline(trace: str | Path, failure_step: int | None = None, reason: st
         events = r.events("first_nonfinite")
         grad_events = r.events("grad_nonfinite")
         wrapper = wrapper_of(e["detail"].get("message", "") for e in r.events("note") if e["layer"] is None)
-        losses = {st["step"]: st["loss"] for st in r.steps()}
+        steps = r.steps()
+        losses = {st["step"]: st["loss"] for st in steps}
     layers.sort(key=lambda lay: lay["ord"])
     names = [lay["name"] for lay in layers]
     # Every module that ran is a candidate: one with half-precision inputs may compute in fp16 and
@@ -130,19 +132,6 @@ def read_baseline(trace: str | Path, failure_step: int | None = None, reason: st
             continue
         n = lay["name"]
         overflow[n] = overflow.get(n, 0) + s["overflow"] + s["posinf"] + s["neginf"] + s["nan"]
-    hints: list[str] = []
-    for e in fwd[:1]:
-        if e["layer"] in cset:
-            hints.append(e["layer"])
-    for e in events:
-        if e["layer"] in cset and e["layer"] not in hints and not e["detail"].get("from_loss") and \
-                e["detail"].get("kind") in ("gradient", "weight_grad"):
-            hints.append(e["layer"])
-            break
-    worst = sorted((n for n in overflow if n in cset and overflow[n] > 0), key=lambda n: -overflow[n])
-    for n in worst[:2]:
-        if n not in hints:
-            hints.append(n)
     first = None
     if events:
         # without a producer (the data was non-finite) the earliest forward event or unscaled gradient:
@@ -163,6 +152,26 @@ def read_baseline(trace: str | Path, failure_step: int | None = None, reason: st
             loss = losses.get(e["step"])
             if loss is not None and not math.isfinite(loss):
                 first["loss_nonfinite"] = True  # the loss itself, in forward: its computation, not its gradient
+    hints: list[str] = []
+    for e in fwd[:1]:
+        if e["layer"] in cset:
+            hints.append(e["layer"])
+    # the layer whose gradient first went non-finite: the one the diagnosis names (a GradScaler's scaled
+    # overflow at a start-up backoff is not it, nor the loss's own gradient), else the earliest such event
+    # after the start-up backoffs
+    n_start = startup_backoffs(steps)
+    grad_first = [first] if first and first.get("kind") in ("gradient", "weight_grad") and not \
+        (first.get("from_loss") or first.get("input_nonfinite") or first.get("at_start")) else []
+    grad_later = [{"layer": e["layer"]} for e in events if e["detail"].get("kind") in ("gradient", "weight_grad")
+                  and not e["detail"].get("from_loss") and not (e["detail"].get("scaled") and e["step"] < n_start)]
+    for e in grad_first + grad_later:
+        if e["layer"] in cset and e["layer"] not in hints:
+            hints.append(e["layer"])
+            break
+    worst = sorted((n for n in overflow if n in cset and overflow[n] > 0), key=lambda n: -overflow[n])
+    for n in worst[:2]:
+        if n not in hints:
+            hints.append(n)
     types = {lay["name"]: lay["type"] for lay in all_layers}  # containers never called too (a ModuleDict)
     # weights stored in half precision: a pure .half()/.bfloat16() model, where autocast is not the fix
     half = {by_id[s["layer"]]["name"]: s["dtype"] for s in weights
