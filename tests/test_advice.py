@@ -1022,3 +1022,21 @@ def test_a_second_models_root_is_named_as_the_whole_of_it_in_prose(tmp_path):
     rep = build_report(tmp_path / "t.sqlite")
     text = " ".join("\n".join(rep.advice).split())
     assert "The input of Linear: (whole model) was already non-finite at step 0" in text, text
+
+
+@pytest.mark.parametrize("collapse", [True, False])
+def test_a_collapsed_scale_does_not_recommend_an_init_scale_as_a_fix(tmp_path, collapse):
+    """Ten clean steps, then every step skipped while the scale halves to below 1: the advice said
+    "changing init_scale will not help" and, beside it, "Loss scale: ... Recommended
+    `torch.amp.GradScaler(init_scale=...)`" as if that were a fix. The range is qualified: what to use once
+    the Inf/NaN is fixed. A healthy run's recommendation is not."""
+    n = 30 if collapse else 10
+    scales = [2.0 ** 16] * 10 + [2.0 ** (15 - i) for i in range(n - 10)]
+    skipped = [0] * 10 + [1] * (n - 10)
+    rep = build_report(synthetic_trace(tmp_path / "t.sqlite", grad_exps=[(-4, 10), (2, 5)], scales=scales,
+                                       skipped=skipped))
+    assert scaler_health(rep).state == ("collapse" if collapse else "healthy")
+    text = " ".join("\n".join(rep.advice).split())
+    assert "Recommended `torch.amp.GradScaler(init_scale=" in text, text
+    assert ("once the Inf/NaN above is fixed (no loss scale fixes it)" in text) == collapse, text
+    assert ("Loss scale: static" in text) != collapse, text

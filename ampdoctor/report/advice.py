@@ -81,6 +81,7 @@ def advise(report: Report) -> list[str]:
     out += scaler_advice(report, scaler, ls)
     if report.fmt.name not in ("fp32",) and not stopped_in_backward(report):
         out += zero_gradient_advice(report, ls)
-        out += loss_scale_advice(report, ls, ready is not None)
+        out += loss_scale_advice(report, ls, ready is not None,
+                                 after_fix=scaler.state in ("collapse", "persistent", "nan"))
     out += pure_half_advice(report, scaler)
     return out

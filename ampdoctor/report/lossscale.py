@@ -130,9 +130,11 @@ def _over(ls: LossScaleAnalysis) -> str:
     return f"{plural(ls.values, 'value')} over {plural(ls.steps_used, 'step')}"
 
 
-def loss_scale_advice(report: Report, ls: LossScaleAnalysis | None, ready: bool) -> list[str]:
+def loss_scale_advice(report: Report, ls: LossScaleAnalysis | None, ready: bool, after_fix: bool = False) -> list[str]:
     """The static loss scales that fit (or why none does), and layers too wide for the format;
-    ``ready``: the run had no autocast, so the advice is how to start using a GradScaler."""
+    ``ready``: the run had no autocast, so the advice is how to start using a GradScaler; ``after_fix``:
+    the GradScaler's advice said the Inf/NaN is not the scale's (it collapsed, or overflow persisted as it
+    fell), so the range is what to use once that is fixed, not a fix of its own."""
     if ls is None:
         return []
     fmt = report.fmt
@@ -150,7 +152,8 @@ def loss_scale_advice(report: Report, ls: LossScaleAnalysis | None, ready: bool)
                 "gradients by it before the optimizer step, or make the loss larger where it is computed."]
     if ls.feasible:
         under = f"{ls.underflow_at_rec:.2g}%" if ls.underflow_at_rec is not None else "?"
-        lead = (f"To train in {fmt.name}, use a GradScaler: " if ready else "Loss scale: ")
+        lead = (f"To train in {fmt.name}, use a GradScaler: " if ready else
+                "Loss scale, once the Inf/NaN above is fixed (no loss scale fixes it): " if after_fix else "Loss scale: ")
         half_params = any(r.dtype in ("float16", "bfloat16") for r in report.rows("weight"))
         how = (f"a static loss scale of {scale_literal(ls.k_rec)} (multiply the loss before backward, divide the "
                "gradients before the step: GradScaler refuses fp16 parameters)" if half_params else
