@@ -179,6 +179,7 @@ class Oracle:
         self._first_losses: list[float] = []  # the first divergence_window finite losses (blowup's base)
         self._recent: deque[tuple[int, float]] = deque(maxlen=self.cfg.divergence_window)  # the last losses
         self._grads: set[str] = set()  # what the recorded steps' gradients held ("finite", "nan", "inf")
+        self._last_skipped = False  # the last step observed was skipped by the GradScaler
 
     def observe(self, step: int, loss: Optional[float] = None, scale: Optional[float] = None,
                 skipped: Optional[bool] = None, params_finite: Optional[bool] = None,
@@ -193,6 +194,8 @@ class Oracle:
             raise ValueError(f"grads={grads!r}; expected one of {GRADS}")
         self.last_step = step
         self._observed += 1
+        if skipped is not None:
+            self._last_skipped = bool(skipped)
         if grads is not None:
             self._grads.add(grads)
         if loss is not None:
@@ -218,6 +221,14 @@ class Oracle:
             self.decision = div
             return div
         return Decision("pass", self.last_step, None)
+
+    def settled(self) -> bool:
+        """Whether a trial may be judged now, at its horizon: no non-finite loss streak is in progress
+        (one shorter than ``nonfinite_k`` that the next steps may carry to a failure) and the last
+        step observed was not skipped. Judged while a NaN streak ran, a trial passed although its last
+        losses were NaN; waiting is bounded, since each such streak ends or fails within
+        ``nonfinite_k`` steps, and skips that persist fail the skip window."""
+        return self._nonfinite_run == 0 and not self._last_skipped
 
     def nan_skips(self) -> bool:
         """Every step observed so far (at least :data:`NAN_SKIPS`) was skipped with a finite loss, and

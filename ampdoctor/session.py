@@ -1218,7 +1218,8 @@ class Session:
                     grads = _grads_held(row_meta, host_rows)
                 decision = self._oracle.observe(s, loss, scale, None if skipped is None else bool(skipped), params_finite,
                                                 grads)
-                if decision is None and self.config.pass_after is not None and s + 1 >= self.config.pass_after:
+                if decision is None and self.config.pass_after is not None and s + 1 >= self.config.pass_after \
+                        and self._oracle.settled():  # (not in the middle of a NaN streak: it may yet fail)
                     decision = self._oracle.finish()
                 if decision is not None:
                     self.decision = decision

@@ -298,3 +298,16 @@ def test_config_roundtrip_and_validation():
         OracleConfig(skip_frac=0)
     with pytest.raises(ValueError, match="nonfinite_k=0"):
         OracleConfig(nonfinite_k=0)
+
+
+def test_settled_only_outside_a_nan_streak_and_a_skip():
+    o = Oracle()
+    assert o.settled()
+    o.observe(0, 1.0, 1024.0, False, True)
+    assert o.settled()
+    o.observe(1, math.nan, 512.0, True, True)
+    assert not o.settled()  # a NaN loss, one short of a failure
+    o.observe(2, 1.0, 512.0, True, True)
+    assert not o.settled()  # a finite loss, but skipped: the skip window may yet trip
+    o.observe(3, 1.0, 512.0, False, True)
+    assert o.settled() and o.finish().outcome == "pass"

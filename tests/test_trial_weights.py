@@ -116,3 +116,39 @@ def test_the_weights_are_screened_only_where_an_oracle_has_no_weight_rows(monkey
     monkeypatch.setattr(Session, "_params_screen", counting)
     _train(monkeypatch, tmp_path, _Net(), steps=10, every=every, oracle=oracle)
     assert seen == list(range(1, 1 + calls))
+
+
+@pytest.mark.parametrize("bad,expect", [
+    ({8, 9, 10}, ("fail", 8, "nonfinite_loss")),   # the streak went on past the horizon: a failure
+    ({8, 9}, ("pass", 10, None)),                   # it ended there: the trial passes, one step late
+])
+def test_a_trial_is_not_passed_in_the_middle_of_a_nan_streak(monkeypatch, tmp_path, bad, expect):
+    """pass_after=10: the trial is judged once step 9 ran. Its losses at 8 and 9 were NaN (two, one short of
+    the three in a row that fail), and the trial passed there although it ended on NaN losses: bisect called a
+    layer set a fix whose run was still breaking. Now it runs on until the streak ends or fails."""
+    cfg = RunConfig(trace=str(tmp_path / "t.sqlite"), format="fp16", every=LITE_EVERY, oracle={}, pass_after=10)
+    monkeypatch.setenv("AMPDOCTOR_CONFIG", json.dumps(cfg.__dict__))
+    model = _Net()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    gen = torch.Generator().manual_seed(1)
+    w = ampdoctor.watch(model)
+    session = w.session
+    ran = 0
+    try:
+        for step in range(30):
+            loss = model(torch.randn(8, 4, generator=gen)).float().pow(2).mean()
+            if step in bad:
+                loss = loss * math.inf  # (its gradients are NaN/Inf: the GradScaler skips the step)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            ran += 1
+    except StopRun:
+        pass
+    finally:
+        w.remove()
+    d = session.decision
+    assert (d.outcome, d.step, d.reason)[:len(expect)] == expect, d
+    assert ran == 10, ran  # (stopped at step 10, where it was judged; it stopped at 9)
