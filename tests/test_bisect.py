@@ -616,6 +616,19 @@ def test_cli_summary_labels_fixes_and_an_input_that_came_in_too_large():
     assert not any(line.startswith("fix: The input of") for line in lines)
 
 
+def test_cli_summary_says_worst_op_in_backward_in_words():
+    """The drill-down's worst backward op printed as "worst_backward op in res.fc", indented off the
+    other op lines: it reads "worst op in res.fc: ... (backward, ...)" like them (bisect.json keeps its pick)."""
+    from ampdoctor.bisect.cli import _summary
+
+    ops = [{"layer": "b", "op": op, "where": "m.py:3", "absmax": 7.0, "phase": phase, "pick": pick}
+           for op, phase, pick in (("linear", "forward", "first"), ("mul", "backward", "worst_backward"))]
+    lines = _summary({"verdict": "culprit", "culprits": ["b"], "trials": [], "out": "/tmp/x", "ops": ops}).splitlines()
+    assert "   first op in b: linear at m.py:3 (forward, abs-max 7)" in lines, lines
+    assert "   worst op in b: mul at m.py:3 (backward, abs-max 7)" in lines, lines
+    assert not any("worst_backward" in line for line in lines), lines
+
+
 def test_a_loss_that_overflows_outside_the_model_is_said_to_be_the_loss(tmp_path):
     """A loss computed in fp16 in user code (exp of a finite output) made the first Inf. bisect named the
     last Linear, said its gradient "came in non-finite from outside the layer", and bisect.json had no

@@ -353,3 +353,74 @@ def test_the_worst_op_is_not_the_add_of_a_finfo_min_mask():
     assert probe.worst is not None and probe.worst.op == "matmul", probe.worst
     assert probe.worst.absmax == pytest.approx(1600.0)
     _no_probe_left(model)
+
+
+class _SoftCube(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return (x * 0.01) ** 3
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        y = 3 * x * x  # BACKWARD LINE: beyond fp16's max for |x| > 148
+        return g * y * 1e-6
+
+
+class _Cube(nn.Module):
+    def forward(self, x):
+        return _SoftCube.apply(x)
+
+
+class _Raising(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g * 2  # an op recorded while the mode is on
+        raise RuntimeError(f"boom {g.shape}")
+
+
+def test_ops_inside_a_custom_backward_are_named_at_their_line():
+    """A custom autograd Function whose backward overflows fp16 (its forward is in range): no op hook saw
+    its backward, so the drill-down named the forward's ``pow`` (abs-max 16.7, no overflow) as the worst op
+    and no line of the backward. Now the backward's own ops are recorded, as phase "backward", at their
+    lines."""
+    model = nn.Sequential(nn.Linear(4, 8), _Cube())
+    with torch.no_grad():
+        model[0].weight.fill_(0.0)
+        model[0].bias.fill_(200.0)
+    with OpProbe(model, ["1"]) as probe:
+        with torch.autocast(**AC):
+            out = model(torch.randn(2, 4))
+        out.float().sum().backward()
+        assert not torch._C._is_torch_function_mode_enabled()
+    line = next(i for i, t in enumerate(inspect.getsource(sys.modules[__name__]).splitlines(), 1)
+                if "# BACKWARD LINE" in t and "enumerate" not in t)
+    first = probe.first
+    assert (first.layer, first.op, first.phase, first.where) == ("1", "mul", "backward", f"test_drill.py:{line}"), \
+        probe.findings
+    assert first.nonfinite and not first.passthrough
+    assert not [f for f in probe.findings if f.phase == "forward"], probe.findings
+    _no_probe_left(model)
+
+
+def test_a_custom_backward_that_raises_leaves_no_mode():
+    class M(nn.Module):
+        def forward(self, x):
+            return _Raising.apply(x) * 1.0
+
+    model = nn.Sequential(M())
+    x = torch.ones(2, requires_grad=True)
+    with OpProbe(model, ["0"]) as probe:
+        out = model(x)
+        with pytest.raises(RuntimeError, match="boom"):
+            out.sum().backward()
+        assert not torch._C._is_torch_function_mode_enabled()
+        model(x * 3e5)  # the probe still records the next forward's ops, as forward
+        assert probe.findings and {(f.op, f.phase) for f in probe.findings} == {("mul", "forward")}, probe.findings
+    assert not torch._C._is_torch_function_mode_enabled()
+    _no_probe_left(model)

@@ -79,7 +79,8 @@ def _summary(res: dict) -> str:
         lines.append("culprit(s): " + ", ".join(map(_shown, res["culprits"])))
     for o in res.get("ops", []):
         amax = "inf" if o["absmax"] is None or o["absmax"] == float("inf") else f"{o['absmax']:.3g}"
-        lines.append(f"  {o['pick']:>6} op in {shown_layer(o['layer'])}: {o['op']} at {o['where']} "
+        pick = "worst" if o["pick"] == "worst_backward" else o["pick"]  # (the phase, below, says backward)
+        lines.append(f"  {pick:>6} op in {shown_layer(o['layer'])}: {o['op']} at {o['where']} "
                      f"({o['phase']}, abs-max {amax}"
                      f"{' when recomputed in FP32' if o.get('absmax_of') == 'fp32_recompute' else ''})" + (
                          (": its gradient came in non-finite from the loss" if _from_loss(res, o["layer"]) else

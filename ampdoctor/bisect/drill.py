@@ -27,7 +27,9 @@ own code (other hooks inside the module) are not recorded.
 Backward: every recorded op output that requires grad gets a tensor hook, so the
 *gradient* flowing into that op's output is checked too (``phase="backward"``, same op name
 and line). That names the op whose output gradient first went non-finite or overflowed,
-not the aten backward kernel that produced it.
+not the aten backward kernel that produced it. A ``torch.autograd.Function`` made inside a probed
+module runs user code in its ``backward``: the mode is on while it runs, so its ops are recorded
+(``phase="backward"``) at their lines inside it.
 
 This is a diagnostic run: it syncs with the device for every op inside the probed modules.
 """
@@ -62,6 +64,7 @@ _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
 _BINARY = {"add", "sub", "mul", "matmul", "truediv", "floordiv", "div", "pow", "mod",
            "and", "or", "xor", "lshift", "rshift"}
 # Recomputing these in fp32 to measure the true magnitude would change state (RNG, inputs).
+_GRAPH_NODES = 2000  # autograd nodes walked per probed call, looking for custom Functions
 _NO_RECOMPUTE = ("dropout", "rand", "normal", "bernoulli", "multinomial")
 
 
@@ -259,6 +262,7 @@ class OpProbe:
         self.inputs_first: dict[str, Optional[int]] = {}  # probed module -> the first step its input was so
         self._handles: list[Any] = []
         self._cells: dict[int, list] = {}  # id of an op output -> its grad hook's "is a module output" cell
+        self._bwd_nodes: weakref.WeakSet = weakref.WeakSet()  # the custom Function nodes whose backward is probed
         # id of an op output that holds an additive mask's magnitude -> (weak reference, that magnitude)
         self._masked: dict[int, tuple[Any, float]] = {}
         self._local = threading.local()  # .stack: probed modules running, .mode: the active mode
@@ -304,6 +308,14 @@ class OpProbe:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        while getattr(self._local, "bwd", None):  # a custom backward that raised inside the mode
+            saved = self._local.bwd
+            if saved[1] is None:
+                try:
+                    self._exit_mode()
+                except RuntimeError:  # (autograd put back the thread's mode stack as it was when it raised)
+                    pass
+            self._local.stack, self._local.mode, self._local.bwd = saved
         if getattr(self._local, "mode", None) is not None:
             self._stack.clear()
             self._exit_mode()
@@ -315,6 +327,9 @@ class OpProbe:
         def hook(module: nn.Module, args: tuple) -> None:
             if self._closed:
                 return
+            while getattr(self._local, "bwd", None) and not torch._C._is_torch_function_mode_enabled():
+                # a custom backward raised inside the mode, and autograd put back the thread's mode stack
+                self._local.stack, self._local.mode, self._local.bwd = self._local.bwd
             stack = self._stack
             if not stack:
                 mode = _Mode(self)
@@ -347,6 +362,11 @@ class OpProbe:
             stack = self._stack
             if not stack:
                 return
+            if self.backward and not getattr(self._local, "bwd", None):
+                try:
+                    self._hook_custom_backwards(stack[-1], args, output)
+                except Exception:  # noqa: BLE001 - never break the user's forward
+                    logger.debug("OpProbe could not look for custom backwards in %s", stack[-1], exc_info=True)
             for t in _tensors(output):  # its ops' outputs that leave the module: their gradients come from outside
                 cell = self._cells.get(id(t))
                 if cell is not None:
@@ -356,6 +376,49 @@ class OpProbe:
                 self._cells.clear()
                 self._masked.clear()
                 self._exit_mode()
+        return hook
+
+    def _hook_custom_backwards(self, layer: str, args: tuple, output: Any) -> None:
+        """The ``torch.autograd.Function`` nodes the module's forward made (its autograd graph from the outputs
+        back to the inputs', at most ``_GRAPH_NODES`` nodes): their ``backward`` is user code no op hook sees,
+        so the mode is on while it runs (a pre-hook and a hook on the node) and its ops are recorded as
+        ``phase="backward"``, with their source lines inside it (``3 * x * x`` that overflows fp16)."""
+        stop = {id(x.grad_fn) for x in _tensors(args) if x.grad_fn is not None}
+        todo = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        seen: set[int] = set()
+        while todo and len(seen) < _GRAPH_NODES:
+            node = todo.pop()
+            if node is None or id(node) in seen or id(node) in stop:
+                continue
+            seen.add(id(node))
+            if hasattr(node, "_forward_cls") and node not in self._bwd_nodes:
+                self._bwd_nodes.add(node)
+                self._handles.append(node.register_prehook(self._bwd_enter(layer)))
+                self._handles.append(node.register_hook(self._bwd_leave()))
+            todo.extend(n for n, _ in node.next_functions)
+
+    def _bwd_enter(self, layer: str) -> Callable:
+        def prehook(grad_outputs: tuple) -> None:
+            if self._closed:
+                return
+            loc = self._local
+            # (this thread's forward state is kept aside: autograd may run it inside a probed forward)
+            loc.bwd = (getattr(loc, "stack", None), getattr(loc, "mode", None), getattr(loc, "bwd", None))
+            loc.stack = [layer]
+            if loc.bwd[1] is None:
+                loc.mode = _Mode(self)
+                loc.mode.__enter__()
+        return prehook
+
+    def _bwd_leave(self) -> Callable:
+        def hook(grad_inputs: tuple, grad_outputs: tuple) -> None:
+            loc = self._local
+            saved = getattr(loc, "bwd", None)
+            if not saved:
+                return
+            if saved[1] is None:
+                self._exit_mode()
+            loc.stack, loc.mode, loc.bwd = saved
         return hook
 
     def _exit_mode(self) -> None:
@@ -391,7 +454,8 @@ class OpProbe:
                 # the values beyond the format's max that the mask carried in (HF's finfo(float32).min where a
                 # position is masked) were not made here: count only those this op made from in-range values
                 d["overflow"] = _made_overflow(t, self.fmt.max, mag)
-            finding = self._finding(layer, op, loc, d, producer, str(t.dtype).replace("torch.", ""), "forward")
+            phase = "backward" if getattr(self._local, "bwd", None) else "forward"  # (inside a custom backward)
+            finding = self._finding(layer, op, loc, d, producer, str(t.dtype).replace("torch.", ""), phase)
             if producer and t.dtype != torch.float32 and not any(k in op for k in _NO_RECOMPUTE) \
                     and not op.endswith("_") and "out" not in kwargs:
                 finding.absmax_fp32 = self._absmax_fp32(func, args, kwargs)
@@ -400,7 +464,7 @@ class OpProbe:
             if held:
                 self._masked[id(t)] = (weakref.ref(t), mag)
             self._keep(finding, producer or d["overflow"] > 0, worst=not held)
-            if self.backward and t.requires_grad:
+            if self.backward and t.requires_grad and phase == "forward":
                 cell = self._cells[id(t)] = [False]  # set when t turns out to be the probed module's output
                 t.register_hook(self._grad_hook(layer, op, loc, cell))
 
