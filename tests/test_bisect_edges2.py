@@ -289,3 +289,56 @@ def test_the_layer_whose_gradient_went_nonfinite_is_tried_first(tmp_path):
     assert res["verdict"] == "culprit" and res["culprits"] == ["act"], res
     bl = read_baseline(tmp_path / "trials" / "00-baseline" / "trace.sqlite", 19, "scale_collapse")
     assert bl.hints[:1] == ["act"], bl.hints
+
+
+# -- the model's own forward code made the first NaN/Inf ------------------------------------------------
+
+class _Tempered(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU())
+        self.head = torch.nn.Linear(64, 8)
+
+    def forward(self, x):
+        logits = self.head(self.body(x))
+        return logits / 1e-3  # TEMPERATURE: overflows fp16 once |logits| > 65.5
+
+
+def _train_tempered(steps: int = 40) -> None:
+    torch.manual_seed(0)
+    m = _Tempered()
+    opt = torch.optim.Adam(m.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x = torch.randn(32, 16, generator=g) * (1 + 10 * step)
+        y = torch.randint(0, 8, (32,), generator=g)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(m(x).float(), y)
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+
+def test_an_overflow_in_the_models_own_forward_code_is_named_there(tmp_path):
+    """A division by a temperature in the model's own forward (outside its submodules) overflows fp16. bisect
+    named ``head`` (its FP32 output makes the division run in FP32) with no op line and nothing about the
+    division; now it names the division's line as the cause, ``head`` as the workaround."""
+    import inspect
+
+    import ampdoctor
+    from ampdoctor.bisect.cli import _summary
+
+    res = ampdoctor.bisect(_train_tempered, out=tmp_path)
+    assert res["verdict"] == "culprit" and res["culprits"] == ["head"], res
+    assert res["first_nonfinite"]["layer"] == "" and res["first_nonfinite"]["kind"] == "activation", res
+    line = next(i for i, t in enumerate(inspect.getsource(sys.modules[__name__]).splitlines(), 1)
+                if "# TEMPERATURE" in t and "enumerate" not in t)
+    own = [o for o in res["ops"] if o["layer"] == ""]
+    assert [(o["op"], o["where"], o["phase"]) for o in own] == [("div", f"test_bisect_edges2.py:{line}", "forward")], \
+        res["ops"]
+    assert res["advice"][0].startswith("The first NaN/Inf was made in _Tempered.forward's own code (`div` at "
+                                       f"test_bisect_edges2.py:{line}"), res["advice"]
+    assert "keeping head in FP32 passes because its FP32 output makes that code run in FP32" in res["advice"][0]
+    assert any(line.startswith("cause: The first NaN/Inf was made in") for line in _summary(res).splitlines())

@@ -13,7 +13,7 @@ import click
 
 from ..formats import FORMATS
 from ..oracle import OracleConfig
-from ..report.culprit import CAME_IN
+from ..report.culprit import CAME_IN, OWN_CODE
 from ..report.phrasing import shown_layer
 from .driver import CONTROL_BLOWUP
 
@@ -98,7 +98,7 @@ def _summary(res: dict) -> str:
         if res.get("suspects"):
             lines.append("smallest set known to pass: " + ", ".join(map(_shown, res["suspects"])))
     for a in res.get("advice", []):  # (a culprit's input that came in too large: the cause lies before it)
-        lines.append(f"{'cause' if a.startswith(CAME_IN) else 'fix'}: {a}")
+        lines.append(f"{'cause' if a.startswith(CAME_IN) or a.startswith(OWN_CODE) else 'fix'}: {a}")
     for note in res.get("notes", []) if res["verdict"] != "inconclusive" else []:
         lines.append(f"note: {note}")
     lines.append(f"run folder: {res['out']}  (trials, logs, bisect.json; report: ampdoctor report "

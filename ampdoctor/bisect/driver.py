@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 from ..naming import half_weights_under, is_torch_module, module_expr, plain_fix, root_hint, wrapped_hint
 from ..oracle import OracleConfig
-from ..report.culprit import CAME_IN, LOSS_OVERFLOW, recomputed_note
+from ..report.culprit import CAME_IN, LOSS_OVERFLOW, OWN_CODE, recomputed_note
 from ..trace import TraceReader
 from .candidates import Baseline, read_baseline
 from .search import find_culprits
@@ -145,6 +145,34 @@ def _came_in_too_large(trace: Path, culprits: Sequence[str], fmt: str) -> list[s
                    "the values grow before it, in the code that feeds it. Keeping it in FP32 works "
                    "around that; scaling or normalising its input where it is computed removes the cause.")
     return out
+
+
+def _own_code_root(bl: Baseline, culprits: Sequence[str]) -> str | None:
+    """The root module (the model, or a second one) whose own forward code, outside its submodules, made the
+    baseline's first NaN/Inf, where no culprit is that root: a layer whose FP32 output feeds that code was found
+    instead (its output in FP32 makes the code run in FP32)."""
+    first = bl.first_nonfinite or {}
+    layer = first.get("layer")
+    if first.get("kind") != "activation" or first.get("input_nonfinite") or first.get("at_start") or layer is None:
+        return None
+    if bl.parent.get(layer, "?") is not None or layer in culprits:
+        return None
+    return layer
+
+
+def own_code_advice(bl: Baseline, root: str | None, culprits: Sequence[str], ops: list[dict]) -> list[str]:
+    """What to say where :func:`_own_code_root` found one: the code is the cause, the culprits a workaround."""
+    if root is None:
+        return []
+    cls = bl.types.get(root) or "the model"
+    first = bl.first_nonfinite or {}
+    where = (f" (`{ops[0]['op']}` at {ops[0]['where']}" + (f": `{ops[0]['source']}`" if ops[0].get("source") else "")
+             + ")") if ops else ""
+    names = ", ".join(c or "the whole model" for c in culprits)
+    return [f"{OWN_CODE}{cls}.forward's own code{where}, outside its submodules, at step {first.get('step')}: keeping "
+            f"{names} in FP32 passes because {'its' if len(culprits) == 1 else 'their'} FP32 output makes that code "
+            "run in FP32 too. Running that code in FP32 instead (its inputs `.float()`, under "
+            "`torch.autocast(x.device.type, enabled=False)`), or keeping its values in range, fixes the cause."]
 
 
 def loss_advice(first: dict | None, culprits: Sequence[str]) -> list[str]:
@@ -385,8 +413,18 @@ def _bisect(opts: BisectOptions, emit: Callable[[str, dict], None], runner: Tria
                 drills.append(([c], Path(d.folder) / "trace.sqlite"))
         for probed, trace in drills:
             ops += _ops_from(trace, probed)
+    own_root = _own_code_root(bl, culprits)
+    own: list[dict] = []
+    if own_root is not None and opts.drill:
+        # the root's own code (outside its submodules) made the first NaN/Inf, and a layer that feeds it was
+        # found: probed with nothing forced, the root's first op that makes it from finite inputs is that code
+        d = record(runner.run(("drill-down-" + (own_root or "root"))[:60].replace("/", "_"), [], pass_after=None,
+                              probe=[own_root]))
+        own = [o for o in _ops_from(Path(d.folder) / "trace.sqlite", [own_root])
+               if o["pick"] == "first" and o["phase"] == "forward" and o["layer"] == own_root]
+        ops += own
     result["ops"] = ops
-    result["advice"] = loss_advice(bl.first_nonfinite, culprits) + fix_snippets(culprits, bl.types, ops, bl.half_weights,
+    result["advice"] = own_code_advice(bl, own_root, culprits, own[:1]) + loss_advice(bl.first_nonfinite, culprits) + fix_snippets(culprits, bl.types, ops, bl.half_weights,
                                                                                bl.wrapper)
     if opts.drill:
         for probed, trace in drills:

@@ -16,6 +16,7 @@ __all__ = ["MATMUL_OPS", "culprits", "culprit_advice", "attention_advice", "reco
 # how bisect's advice line starts when a culprit's input was already beyond the format's max as it was called
 CAME_IN = "The input of "
 LOSS_OVERFLOW = "The loss overflowed"  # bisect's advice for a first non-finite value made by the loss
+OWN_CODE = "The first NaN/Inf was made in "  # bisect's advice for one made by a root's own code, not a layer
 MATMUL_OPS = ("matmul", "bmm", "baddbmm", "mm", "addmm", "linear", "einsum", "scaled_dot_product_attention")
 
 
@@ -177,7 +178,7 @@ def culprit_advice(report: Report) -> list[str]:
         lines += [a for a in (report.bisect or {}).get("advice") or [] if isinstance(a, str) and a.startswith(CAME_IN)]
         # the loss made the first NaN/Inf: computing it in FP32 is the fix to try first
         lines[:0] = [a for a in (report.bisect or {}).get("advice") or [] if isinstance(a, str)
-                     and a.startswith(LOSS_OVERFLOW)]
+                     and (a.startswith(LOSS_OVERFLOW) or a.startswith(OWN_CODE))]
     return lines
 
 
