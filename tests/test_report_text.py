@@ -203,3 +203,26 @@ def test_a_report_that_cannot_be_written_whole_leaves_none_and_keeps_the_last(tm
     assert p.read_text() == '{"old": true}'
     assert (tmp_path / "new.json").read_text() == "small"
     assert sorted(f.name for f in tmp_path.iterdir()) == ["new.json", "report.json"]
+
+
+def test_a_sampled_run_does_not_say_nan_spread_through_the_updates(tmp_path):
+    """--every 5: the loss was NaN at step 3 (not recorded in detail); the first non-finite value recorded is
+    step 5's, a layer's output, with the weights still finite. The diagnosis said "when NaN had spread
+    through the updates", which nothing recorded showed."""
+    from ampdoctor.report import build_report
+    from ampdoctor.trace import TraceWriter
+
+    w = TraceWriter(tmp_path / "t.sqlite")
+    w.set_meta(format="fp16", every=5, status="finished", argv=["synthetic"])
+    w.add_layers([(0, "lin", "Linear", 0, 1, None)])
+    for step in range(8):
+        loss = float("nan") if step >= 3 else 1.0
+        w.add_step((step, loss, 2.0 ** (16 - max(0, step - 2)), int(step >= 3), step + 1, int(step in (0, 5)),
+                    float(step)))
+    w.add_event(5, "first_nonfinite", "lin", kind="activation", call=0, producers=1)
+    w.commit()
+    w.close()
+    text = " ".join("\n".join(build_report(tmp_path / "t.sqlite").diagnosis.lines).split())
+    assert "The loss was non-finite from step 3" in text and "step 5, a forward output of lin" in text, text
+    assert "spread through the updates" not in text, text
+    assert "may have made it again there, or passed on a NaN the earlier steps left" in text, text

@@ -376,7 +376,7 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
     every = int(meta.get("every") or 1)
     spread = None  # (sampled steps) the first non-finite value recorded came after the loss had gone non-finite
     if fn is not None and every > 1 and first_loss_bad is not None and fn["step"] > first_loss_bad:
-        spread, fn = fn, None  # not the producer: by then NaN had spread, through the updates, to the weights
+        spread, fn = fn, None  # not known to be the producer: it may have made it again, or passed on an earlier NaN
     skipped = sum(1 for t in timeline if t["skipped"])
     n_start = startup_backoffs(timeline)
     backoff = backoff_scales(timeline, n_start)
@@ -446,8 +446,9 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
                 "weight": "the weights"}.get(spread["kind"], spread["kind"])
         lines.append(f"The loss was non-finite from step {first_loss_bad} (layer statistics sampled every {every} "
                      f"steps): the first non-finite value recorded (step {spread['step']}, {what} of "
-                     f"{shown_layer(spread['layer'])}) came after it, when NaN had spread through the updates, so it does "
-                     "not say which layer made it. Rerun with --every 1 to pin it.")
+                     f"{shown_layer(spread['layer'])}) came after it: that layer may have made it again there, or passed on a "
+                     "NaN the earlier steps left (in the weights, the optimizer state or the data), so it does not "
+                     "say which layer made it first. Rerun with --every 1 to pin it.")
     elif fn is None and every > 1 and first_loss_bad is not None and first_loss_bad % every:
         lines.append(f"The loss was non-finite at step {first_loss_bad}, which was not recorded in detail (layer statistics "
                      f"sampled every {every} steps): rerun with --every 1 to see which layer produced it.")
