@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import bisect_until_trial
+from helpers import SoftCube, bisect_until_trial
 
 ROOT = Path(__file__).parent.parent
 FIXTURES = ROOT / "fixtures"
@@ -235,26 +235,12 @@ def test_an_interrupt_right_after_a_trial_started_still_ends_it(tmp_path, monkey
 
 # -- hints: the layer whose gradient first went non-finite, not a start-up backoff's ------------------
 
-class _SoftCube(torch.autograd.Function):
-    """A custom op whose backward overflows fp16 (``3 * x * x`` before the ``1e-6``); its forward is in range."""
-
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return (x * 0.01) ** 3
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        return g * (3 * x * x) * 1e-6
-
-
 class _CubeNet(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.l1 = torch.nn.Linear(16, 64)
         self.act = torch.nn.Module()
-        self.act.forward = lambda x: _SoftCube.apply(x)
+        self.act.forward = lambda x: SoftCube.apply(x)
         self.l2 = torch.nn.Linear(64, 1)
 
     def forward(self, x):

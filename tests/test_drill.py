@@ -10,6 +10,7 @@ import types
 
 import pytest
 import torch
+from helpers import SoftCube
 from torch import nn
 
 from ampdoctor.bisect.drill import OpProbe, drill_down
@@ -355,22 +356,9 @@ def test_the_worst_op_is_not_the_add_of_a_finfo_min_mask():
     _no_probe_left(model)
 
 
-class _SoftCube(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        ctx.save_for_backward(x)
-        return (x * 0.01) ** 3
-
-    @staticmethod
-    def backward(ctx, g):
-        (x,) = ctx.saved_tensors
-        y = 3 * x * x  # BACKWARD LINE: beyond fp16's max for |x| > 148
-        return g * y * 1e-6
-
-
 class _Cube(nn.Module):
     def forward(self, x):
-        return _SoftCube.apply(x)
+        return SoftCube.apply(x)
 
 
 class _Raising(torch.autograd.Function):
@@ -398,10 +386,10 @@ def test_ops_inside_a_custom_backward_are_named_at_their_line():
             out = model(torch.randn(2, 4))
         out.float().sum().backward()
         assert not torch._C._is_torch_function_mode_enabled()
-    line = next(i for i, t in enumerate(inspect.getsource(sys.modules[__name__]).splitlines(), 1)
-                if "# BACKWARD LINE" in t and "enumerate" not in t)
+    line = next(i for i, t in enumerate(inspect.getsource(sys.modules[SoftCube.__module__]).splitlines(), 1)
+                if "# BACKWARD LINE" in t)
     first = probe.first
-    assert (first.layer, first.op, first.phase, first.where) == ("1", "mul", "backward", f"test_drill.py:{line}"), \
+    assert (first.layer, first.op, first.phase, first.where) == ("1", "mul", "backward", f"helpers.py:{line}"), \
         probe.findings
     assert first.nonfinite and not first.passthrough
     assert not [f for f in probe.findings if f.phase == "forward"], probe.findings
