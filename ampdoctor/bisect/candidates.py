@@ -160,14 +160,11 @@ def read_baseline(trace: str | Path, failure_step: int | None = None, reason: st
     # overflow at a start-up backoff is not it, nor the loss's own gradient), else the earliest such event
     # after the start-up backoffs
     n_start = startup_backoffs(steps)
-    grad_first = [first] if first and first.get("kind") in ("gradient", "weight_grad") and not \
+    grads = [first["layer"]] if first and first.get("kind") in ("gradient", "weight_grad") and not \
         (first.get("from_loss") or first.get("input_nonfinite") or first.get("at_start")) else []
-    grad_later = [{"layer": e["layer"]} for e in events if e["detail"].get("kind") in ("gradient", "weight_grad")
-                  and not e["detail"].get("from_loss") and not (e["detail"].get("scaled") and e["step"] < n_start)]
-    for e in grad_first + grad_later:
-        if e["layer"] in cset and e["layer"] not in hints:
-            hints.append(e["layer"])
-            break
+    grads += [e["layer"] for e in events if e["detail"].get("kind") in ("gradient", "weight_grad")
+              and not e["detail"].get("from_loss") and not (e["detail"].get("scaled") and e["step"] < n_start)]
+    hints += next(([n] for n in grads if n in cset and n not in hints), [])
     worst = sorted((n for n in overflow if n in cset and overflow[n] > 0), key=lambda n: -overflow[n])
     for n in worst[:2]:
         if n not in hints:

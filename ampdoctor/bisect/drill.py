@@ -308,14 +308,7 @@ class OpProbe:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        while getattr(self._local, "bwd", None):  # a custom backward that raised inside the mode
-            saved = self._local.bwd
-            if saved[1] is None:
-                try:
-                    self._exit_mode()
-                except RuntimeError:  # (autograd put back the thread's mode stack as it was when it raised)
-                    pass
-            self._local.stack, self._local.mode, self._local.bwd = saved
+        self._unwind_bwd(stale_only=False)
         if getattr(self._local, "mode", None) is not None:
             self._stack.clear()
             self._exit_mode()
@@ -327,9 +320,7 @@ class OpProbe:
         def hook(module: nn.Module, args: tuple) -> None:
             if self._closed:
                 return
-            while getattr(self._local, "bwd", None) and not torch._C._is_torch_function_mode_enabled():
-                # a custom backward raised inside the mode, and autograd put back the thread's mode stack
-                self._local.stack, self._local.mode, self._local.bwd = self._local.bwd
+            self._unwind_bwd(stale_only=True)
             stack = self._stack
             if not stack:
                 mode = _Mode(self)
@@ -420,6 +411,20 @@ class OpProbe:
                 self._exit_mode()
             loc.stack, loc.mode, loc.bwd = saved
         return hook
+
+    def _unwind_bwd(self, stale_only: bool) -> None:
+        """Put back this thread's forward state that a custom backward's pre-hook kept aside: where its hook
+        never ran (the backward raised, and autograd put back the thread's mode stack, so no mode is on), or
+        all of it (``stale_only`` False: the probe is being removed)."""
+        loc = self._local
+        while getattr(loc, "bwd", None):
+            on = torch._C._is_torch_function_mode_enabled()
+            if stale_only and on:
+                return  # (a custom backward is running)
+            saved = loc.bwd
+            if saved[1] is None and on:
+                self._exit_mode()
+            loc.stack, loc.mode, loc.bwd = saved
 
     def _exit_mode(self) -> None:
         mode, self._local.mode = getattr(self._local, "mode", None), None

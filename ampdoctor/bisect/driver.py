@@ -147,6 +147,11 @@ def _came_in_too_large(trace: Path, culprits: Sequence[str], fmt: str) -> list[s
     return out
 
 
+def _drill_name(layer: str) -> str:
+    """The trial folder's name of a drill-down probing ``layer`` alone."""
+    return ("drill-down-" + (layer or "root"))[:60].replace("/", "_")
+
+
 def _own_code_root(bl: Baseline, culprits: Sequence[str]) -> str | None:
     """The root module (the model, or a second one) whose own forward code, outside its submodules, made the
     baseline's first NaN/Inf, where no culprit is that root: a layer whose FP32 output feeds that code was found
@@ -155,9 +160,8 @@ def _own_code_root(bl: Baseline, culprits: Sequence[str]) -> str | None:
     layer = first.get("layer")
     if first.get("kind") != "activation" or first.get("input_nonfinite") or first.get("at_start") or layer is None:
         return None
-    if bl.parent.get(layer, "?") is not None or layer in culprits:
-        return None
-    return layer
+    is_root = layer in bl.parent and bl.parent[layer] is None
+    return layer if is_root and layer not in culprits else None
 
 
 def own_code_advice(bl: Baseline, root: str | None, culprits: Sequence[str], ops: list[dict]) -> list[str]:
@@ -408,8 +412,7 @@ def _bisect(opts: BisectOptions, emit: Callable[[str, dict], None], runner: Tria
             # whose input came in NaN/Inf
             for c in culprits:
                 others = [x for x in culprits if x != c]
-                d = record(runner.run(("drill-down-" + (c or "root"))[:60].replace("/", "_"), others, pass_after=None,
-                                      probe=[c]))
+                d = record(runner.run(_drill_name(c), others, pass_after=None, probe=[c]))
                 drills.append(([c], Path(d.folder) / "trace.sqlite"))
         for probed, trace in drills:
             ops += _ops_from(trace, probed)
@@ -418,14 +421,13 @@ def _bisect(opts: BisectOptions, emit: Callable[[str, dict], None], runner: Tria
     if own_root is not None and opts.drill:
         # the root's own code (outside its submodules) made the first NaN/Inf, and a layer that feeds it was
         # found: probed with nothing forced, the root's first op that makes it from finite inputs is that code
-        d = record(runner.run(("drill-down-" + (own_root or "root"))[:60].replace("/", "_"), [], pass_after=None,
-                              probe=[own_root]))
+        d = record(runner.run(_drill_name(own_root), [], pass_after=None, probe=[own_root]))
         own = [o for o in _ops_from(Path(d.folder) / "trace.sqlite", [own_root])
                if o["pick"] == "first" and o["phase"] == "forward" and o["layer"] == own_root]
         ops += own
     result["ops"] = ops
-    result["advice"] = own_code_advice(bl, own_root, culprits, own[:1]) + loss_advice(bl.first_nonfinite, culprits) + fix_snippets(culprits, bl.types, ops, bl.half_weights,
-                                                                               bl.wrapper)
+    result["advice"] = (own_code_advice(bl, own_root, culprits, own[:1]) + loss_advice(bl.first_nonfinite, culprits)
+                        + fix_snippets(culprits, bl.types, ops, bl.half_weights, bl.wrapper))
     if opts.drill:
         for probed, trace in drills:
             result["advice"] += _came_in_too_large(trace, probed, opts.fmt)
