@@ -68,6 +68,7 @@ def main(db: str, trace_py: str) -> int:
     seen: set[str] = set()  # the errors said so far
     first: dict | None = None  # the first write that failed: kept in the trace's meta, if it still takes it
     step = None  # the step of the last statistics rows received
+    full = False  # the disk took no more (see trace.make_room)
     try:
         while True:
             head = _read(inp, 5)
@@ -79,6 +80,8 @@ def main(db: str, trace_py: str) -> int:
                 break  # the sender died mid-message: keep what came whole
             try:
                 if kind == b"S":
+                    if full:  # the disk took no more: only the meta rows are still tried
+                        continue
                     line, raw = payload.split(b"\n", 1)
                     h = json.loads(line)
                     step = h["step"]
@@ -90,6 +93,8 @@ def main(db: str, trace_py: str) -> int:
                     trace._insert_rows(con, trace._STATS_INSERT, ncols, trace.stat_rows(h["step"], meta, rows, h["nf"]), cache)
                 elif kind == b"Q":
                     q = json.loads(payload, object_hook=_blob)
+                    if full and q["sql"] != trace.META_INSERT:
+                        continue
                     rows = [tuple(r) for r in q["rows"]]
                     if q["sql"] == trace._STATS_INSERT:
                         trace._insert_rows(con, q["sql"], ncols, rows, cache)
@@ -107,6 +112,9 @@ def main(db: str, trace_py: str) -> int:
                 status = 1
                 said = f"{type(e).__name__}: {e}"
                 first = first or {"error": said, "step": step}
+                if not full and trace.disk_failed(e):
+                    full = True
+                    trace.make_room(con)
                 if said not in seen:  # (a full disk fails every write after it: said once)
                     seen.add(said)
                     print(f"ampdoctor trace writer: {said}" + (" (the steps from here on are not written; "

@@ -112,6 +112,26 @@ def file_id(path: str | os.PathLike) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
+META_INSERT = "INSERT OR REPLACE INTO meta VALUES (?, ?)"
+
+
+def disk_failed(e: BaseException) -> bool:
+    """``e`` says the disk took no more (full, a quota, a file size limit, an I/O error), not a bad row."""
+    said = str(e).lower()
+    return isinstance(e, sqlite3.OperationalError) and ("full" in said or "i/o" in said)
+
+
+def make_room(con: sqlite3.Connection) -> None:
+    """After a write the disk refused: drop the failed transaction and fold the ``-wal`` into the trace,
+    emptying it, so that the few meta rows written from here on (the run's end, its step count, the
+    error) still fit; the statistics after it are not tried (they would take that room again)."""
+    for sql in ("ROLLBACK", "PRAGMA wal_checkpoint(TRUNCATE)"):
+        try:
+            con.execute(sql)
+        except sqlite3.Error:
+            pass
+
+
 def note_write_error(con: sqlite3.Connection, first: dict | None) -> None:
     """Keep the first write that failed (``{"error", "step"}``: a full disk, say) in the trace's meta as
     ``writer_error``, for the report to say the trace is incomplete; a disk too full for that row
@@ -119,7 +139,7 @@ def note_write_error(con: sqlite3.Connection, first: dict | None) -> None:
     if first is None:
         return
     try:
-        con.execute("INSERT OR REPLACE INTO meta VALUES ('writer_error', ?)", (json.dumps(first),))
+        con.execute("INSERT OR IGNORE INTO meta VALUES ('writer_error', ?)", (json.dumps(first),))
         con.commit()
     except sqlite3.Error:
         pass
@@ -423,7 +443,7 @@ class TraceWriter:
     # -- producer side ---------------------------------------------------------------------
     def set_meta(self, **items: Any) -> None:
         rows = [(k, v if isinstance(v, str) else json.dumps(v)) for k, v in items.items()]
-        self._put("INSERT OR REPLACE INTO meta VALUES (?, ?)", rows)
+        self._put(META_INSERT, rows)
 
     def add_layers(self, rows: Iterable[Sequence]) -> None:
         self._put("INSERT OR REPLACE INTO layers VALUES (?, ?, ?, ?, ?, ?)", list(rows))
@@ -514,6 +534,7 @@ class TraceWriter:
         con = None
         opened = None  # the file con opened (see keep_if_deleted)
         first = None  # the first write that failed (see note_write_error)
+        full = False  # the disk took no more (see make_room)
         last_step = None  # the step of the last statistics rows written
         pending = 0
         stats_sql: dict[int, str] = {}
@@ -542,7 +563,11 @@ class TraceWriter:
                     elif ready:
                         waiting = False
                         if con is not None:  # what this thread wrote is committed before the process writes on
-                            con.commit()
+                            try:
+                                con.commit()
+                            except sqlite3.Error:  # (a full disk: said below, as the first write that failed)
+                                pass
+                            note_write_error(con, first)
                             con.close()
                             con, pending = None, 0
                 if self._child is not None and not waiting:
@@ -572,6 +597,8 @@ class TraceWriter:
                             pending = 0
                             con.commit()
                         continue
+                    if full and sql != META_INSERT:  # the disk took no more: only the meta rows are still tried
+                        continue
                     last_step = _step_of(sql, rows) if sql in (_STAT_ROWS, _STATS_INSERT) else last_step
                     if sql is _STAT_ROWS:
                         for step, meta, host, nf in rows:
@@ -587,6 +614,9 @@ class TraceWriter:
                         at = _step_of(sql, rows)
                         first = {"error": f"{type(e).__name__}: {e}", "step": at if at is not None else last_step}
                     self._error = e
+                    if disk_failed(e) and not full:
+                        full, pending = True, 0
+                        make_room(con)
         except BaseException as e:  # pragma: no cover
             self._error = e
         finally:

@@ -2,6 +2,7 @@
 a writer process that cannot start or dies leaves the thread writing, nothing lost after it."""
 
 import os
+import sqlite3
 import sys
 import time
 
@@ -216,6 +217,67 @@ def test_what_comes_before_the_writer_process_is_ready_is_committed_at_once(tmp_
     w.close()
     r = TraceReader(tmp_path / "t.sqlite")
     assert [s["step"] for s in r.stats()] == [0, 0, 0, 1, 1, 1] and r.meta()["status"] == "running"
+
+
+class _FullDisk:
+    """The writer thread's connection on a disk with room for the meta rows only: a commit with other
+    rows in it fails as a full disk does, until they are rolled back."""
+
+    def __init__(self, con):
+        self.con, self.dirty = con, False
+
+    def _took(self, sql):
+        if sql.lstrip().upper() == "ROLLBACK":
+            self.dirty = False
+        elif sql.lstrip().upper().startswith("INSERT") and " INTO meta " not in sql:
+            self.dirty = True
+
+    def execute(self, sql, *a):
+        self._took(sql)
+        return self.con.execute(sql, *a)
+
+    def executemany(self, sql, rows):
+        self._took(sql)
+        return self.con.executemany(sql, rows)
+
+    def commit(self):
+        if self.dirty:
+            raise sqlite3.OperationalError("disk I/O error")
+        return self.con.commit()
+
+    def __getattr__(self, name):
+        return getattr(self.con, name)
+
+
+def test_a_disk_that_fills_up_before_the_writer_process_is_ready_loses_no_more_than_it_must(tmp_path, monkeypatch):
+    """CI once failed here (the full-disk test below): the writer thread, writing while the writer
+    process started, hit the full disk; at the handoff its commit raised again, which ended the
+    thread's loop, and every row after it (the steps, the run's end and its step count) was lost.
+    The failed rows are now dropped at once, the first failure is kept as writer_error, and the
+    process writes the rest."""
+    slow = tmp_path / "slow_child.py"
+    slow.write_text(f"import runpy, sys, time\ntime.sleep(3)\nrunpy.run_path({str(trace_mod._CHILD)!r}, run_name='__main__')\n")
+    monkeypatch.setattr(trace_mod, "_CHILD", slow)
+    connect = trace_mod._connect
+    monkeypatch.setattr(trace_mod, "_connect", lambda path: _FullDisk(connect(path)))  # (this process's writes only)
+    w = TraceWriter(tmp_path / "t.sqlite")
+    w.set_meta(status="running")
+    meta, host = _rows(3, 20, 4)
+    for step in (0, 1):
+        w.add_stat_rows(step, meta, host, 12)
+        w.commit()
+    time.sleep(3.5)  # the process is ready now: it writes the rest
+    w.add_stat_rows(2, meta, host, 12)
+    w.commit()
+    w.flush()
+    assert w._child is not None  # (it took over)
+    w.set_meta(status="finished", steps=3)
+    w.close()
+    r = TraceReader(tmp_path / "t.sqlite")
+    m = r.meta()
+    assert [s["step"] for s in r.stats()] == [2, 2, 2]
+    assert m["status"] == "finished" and m["steps"] == 3
+    assert m["writer_error"] == {"error": "OperationalError: disk I/O error", "step": 0}
 
 
 @pytest.mark.parametrize("mode", ["process", "thread"])
