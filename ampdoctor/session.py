@@ -164,6 +164,14 @@ class Session:
         if self.config.every < 1:
             raise ValueError(f"every must be >= 1, got {self.config.every}")
         self.owned = owned  # owned by the CLI runner: stays open when the last watch goes
+        ref = _weakref(self)
+
+        def backward_started(grad: torch.Tensor) -> None:  # on the loss: one a recorded step; weakly held (a loss
+            s = ref()  # kept past the watch keeps no session alive)
+            if s is not None:
+                s._queue_backward_flush()
+
+        self._backward_started = backward_started
         self.rank = _rank()
         self.trace_path = self._trace_path()
         self.writer = TraceWriter(self.trace_path)
@@ -522,9 +530,6 @@ class Session:
             self._rows.flush(flags=flags)
         except Exception as e:  # pragma: no cover - never break training for a statistic
             log.warning("ampdoctor: could not measure a batch of tensors: %s: %s", type(e).__name__, e)
-
-    def _backward_started(self, grad: torch.Tensor) -> None:
-        self._queue_backward_flush()
 
     def _queue_backward_flush(self) -> None:
         # Once per backward pass: flush when it ends, before anything changes gradients in place; and

@@ -29,6 +29,7 @@ import functools
 import logging
 import os
 import sys
+import types
 from typing import Any, Callable
 
 import torch
@@ -133,12 +134,57 @@ def _sys_exit_wrapper(orig: Callable, sink: Any) -> Callable:
     return exit
 
 
+_MISSING = object()
+_RETIRED: list[_Patch] = []  # patches that were patched over when their watch ended (see _Patch)
+
+
+def _heal() -> None:
+    """Take out each retired patch that is back on top (the patch laid over it has ended)."""
+    for patch in list(_RETIRED):
+        if vars(patch.owner).get(patch.attr, _MISSING) is patch.new:
+            patch.undo()
+            _RETIRED.remove(patch)
+
+
+class _Patch:
+    """One attribute ampdoctor replaced, and how to put it back. A plain function is installed behind
+    a guard: where the user (a ``mock.patch``, a profiler) patched the same attribute after ``watch()``,
+    ``remove()`` leaves their patch in place rather than drop it, and ours, under it, calls the original
+    from then on and takes itself out at its first call once their patch has put it back on top."""
+
+    def __init__(self, owner: Any, attr: str, new: Any, tracker: StepTracker):
+        self.owner, self.attr = owner, attr
+        self.was_own = attr in vars(owner)
+        self.original = vars(owner).get(attr) if self.was_own else None
+        self.retired = False
+        self.new = self._guarded(new) if isinstance(new, types.FunctionType) else new
+
+    def _guarded(self, wrapper: Callable) -> Callable:
+        fallback = self.original if self.was_own else getattr(self.owner, self.attr)
+        patch = self
+
+        @functools.wraps(wrapper)
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            if patch.retired:
+                _heal()
+                return fallback(*args, **kwargs)
+            return wrapper(*args, **kwargs)
+
+        return guarded
+
+    def undo(self) -> None:
+        if self.was_own:
+            setattr(self.owner, self.attr, self.original)
+        else:
+            delattr(self.owner, self.attr)
+
+
 class StepTracker:
     """Installs the patches and forwards what they see to ``sink`` (the session)."""
 
     def __init__(self, sink: Any):
         self._sink = sink
-        self._saved: list[tuple[Any, str, Any, bool]] = []  # (owner, attr, original, was_own)
+        self._saved: list[_Patch] = []
         self._opt_handle = None
         self._opt_pre_handle = None
         self._inside: set[tuple[int, str]] = set()  # (id(scaler), method) of wrapped calls in progress
@@ -147,6 +193,7 @@ class StepTracker:
     def install(self) -> None:
         if self.installed:
             return
+        _heal()  # (an earlier watch's wrapper back on top goes first: not wrapped again)
         sink = self._sink
         self._patch(torch.autograd, "backward", _backward_wrapper(torch.autograd.backward, sink))
         self._patch(torch.autograd, "grad", _notify_first(torch.autograd.grad, lambda t: sink.on_autograd_grad(t), "outputs"))
@@ -174,12 +221,17 @@ class StepTracker:
     def uninstall(self) -> None:
         if not self.installed:
             return
-        for owner, attr, original, was_own in reversed(self._saved):
-            if was_own:
-                setattr(owner, attr, original)
-            else:
-                delattr(owner, attr)
+        for patch in reversed(self._saved):
+            if vars(patch.owner).get(patch.attr, _MISSING) is patch.new:
+                patch.undo()
+            else:  # patched again over ours (a mock, a profiler): its patch may put ours back when it ends
+                patch.retired = True
+                _RETIRED.append(patch)
+                log.info("ampdoctor: %s.%s was patched again after watch(); ampdoctor's wrapper under that patch now "
+                         "calls the original and takes itself out once it is back on top",
+                         getattr(patch.owner, "__name__", patch.owner), patch.attr)
         self._saved.clear()
+        _heal()
         if self._opt_handle is not None:
             self._opt_handle.remove()
             self._opt_handle = None
@@ -189,9 +241,9 @@ class StepTracker:
         self.installed = False
 
     def _patch(self, owner: Any, attr: str, new: Any) -> None:
-        was_own = attr in vars(owner)
-        self._saved.append((owner, attr, vars(owner).get(attr) if was_own else None, was_own))
-        setattr(owner, attr, new)
+        patch = _Patch(owner, attr, new, self)
+        self._saved.append(patch)
+        setattr(owner, attr, patch.new)
 
     def _wrap_scaler(self, cls: type) -> None:
         if "scale" in cls.__dict__:
@@ -207,12 +259,15 @@ class StepTracker:
         own = vars(root).get("__init_subclass__")
         wrap = self._wrap_scaler
 
+        tracker = self
+
         def __init_subclass__(cls: type, **kwargs: Any) -> None:
             if own is not None:
                 own.__get__(None, cls)(**kwargs)
             else:
                 super(root, cls).__init_subclass__(**kwargs)
-            wrap(cls)
+            if tracker.installed:  # (not where a later patch kept ours on past remove(): see _Patch)
+                wrap(cls)
 
         return classmethod(__init_subclass__)
 

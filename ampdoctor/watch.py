@@ -184,9 +184,11 @@ class _GradWork(list):
                     self.rows = True
 
     def __call__(self, grad: torch.Tensor) -> None:
-        w = self.watch
+        w = self.watch()  # (weakly held: a tensor kept past remove() keeps neither the watch nor its session alive)
+        if w is None or w._removed or grad is None:
+            return
         s = w.session
-        if w._removed or s.closed or grad is None:
+        if s.closed:
             return
         try:
             task = _graph_task_id()
@@ -259,6 +261,7 @@ class Watch:
     def __init__(self, model: nn.Module, session: Session, *, all_modules: bool):
         self.model = model
         self.session = session
+        self._ref = _weakref(self)  # what the gradient hooks hold (see _GradWork)
         self._handles: list[Any] = []
         self._params: list[tuple[int, str, nn.Parameter | None]] = []
         self._owners: list[tuple[dict, str]] = []  # (module._parameters, name) of each entry of _params
@@ -495,11 +498,11 @@ class Watch:
         hooks = t._backward_hooks
         if hooks:
             last = hooks[next(reversed(hooks))]
-            if last.__class__ is _GradWork and last.watch is self:
+            if last.__class__ is _GradWork and last.watch is self._ref:
                 last.add(entries)
                 return
         work = _GradWork()
-        work.watch = self
+        work.watch = self._ref
         work.rows = False
         work.add(entries)
         if t.is_leaf:  # a parameter or a tensor the script made: it outlives the step, its hook must not

@@ -54,6 +54,68 @@ def test_remove_restores_everything(tmp_path):
     assert model(torch.ones(2, 8)).dtype == ref.dtype
 
 
+@pytest.mark.parametrize("how", ["mock", "by hand"])
+def test_a_patch_laid_over_ours_after_watch_is_kept_and_ours_leaves_when_it_ends(tmp_path, how):
+    """A spy on torch.autograd.backward set after watch() (mock.patch, a profiler) and a remove() inside it:
+    remove() put its own saved original back, dropping the user's spy, and when the spy ended it put
+    ampdoctor's wrapper back for good. Now the spy stays, and ours, under it, calls the original and
+    leaves at its first call once it is back on top."""
+    from unittest import mock
+    model = _model()
+    orig, orig_step = torch.autograd.backward, torch.amp.GradScaler.__dict__["step"]
+    w = ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite"))
+    ours = torch.autograd.backward
+    calls = []
+    if how == "mock":
+        spy = mock.patch("torch.autograd.backward", wraps=ours)
+        start, stop = spy.start, spy.stop
+    else:
+        def spied(*a, **k):
+            calls.append(1)
+            return ours(*a, **k)
+
+        def start():
+            torch.autograd.backward = spied
+            return spied
+
+        def stop():
+            torch.autograd.backward = ours
+    installed = start()
+    train(model, 1)
+    w.remove()
+    assert torch.autograd.backward is installed  # the user's patch is theirs to end
+    assert torch.amp.GradScaler.__dict__["step"] is orig_step  # (the others were on top: put back at once)
+    train(model, 1)  # through their patch, to ours: the original, nothing recorded
+    stop()
+    assert torch.autograd.backward is ours  # their patch put ours back...
+    train(model, 1)
+    assert torch.autograd.backward is orig  # ...which left at its first call
+    assert TraceReader(tmp_path / "t.sqlite").meta()["steps"] == 1
+    assert (installed.call_count if how == "mock" else len(calls)) == 2
+
+
+def test_a_loss_and_output_kept_past_remove_keep_neither_the_watch_nor_its_session(tmp_path):
+    """A loss (or the model's output) kept past remove() without .detach() (a list of losses, a retained
+    graph) kept the Watch and its Session alive through the gradient hooks on it; their hooks, which do
+    nothing once the watch is removed, now hold them weakly."""
+    import gc
+    import weakref
+    model = _model()
+    w = ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite"))
+    out = model(torch.randn(4, 8))
+    loss = out.pow(2).mean()
+    loss.backward(retain_graph=True)
+    w.remove()
+    refs = weakref.ref(w), weakref.ref(w.session)
+    assert loss._backward_hooks and out._backward_hooks  # (non-leaf tensors: see the README's limits)
+    del w
+    gc.collect()
+    assert [r() for r in refs] == [None, None]
+    model.zero_grad()
+    loss.backward()  # the hooks left on the kept tensors do nothing
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
 def test_context_manager_and_records_everything(tmp_path):
     model = _model()
     with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")) as w:
