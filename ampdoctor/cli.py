@@ -406,7 +406,7 @@ def _run_torchrun(script, args, cfg, out_dir: Path, nproc: int, table, json_path
 
 
 @main.command()
-@click.argument("path", type=click.Path())
+@click.argument("path", type=click.Path(), metavar="TRACE_OR_RUN_DIR")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the report as JSON.")
 @click.option("--html", "html_path", type=click.Path(dir_okay=False), default=None, help="Write the HTML report.")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help="Write the per-layer table as CSV.")

@@ -102,6 +102,18 @@ def get_format(fmt: str | torch.dtype | Format) -> Format:
     return FORMATS[key]
 
 
+def wider_than(dtype: str, fmt: str | torch.dtype | Format) -> bool:
+    """Whether values held in ``dtype`` (a dtype's name: ``bfloat16``) can exceed format ``fmt``'s range:
+    a run in that dtype measured against ``fmt`` is a readiness check for ``fmt`` (FP32 against any, bf16
+    against fp16, fp16 against fp8)."""
+    if dtype in ("float32", "float64"):
+        return True
+    try:
+        return get_format(dtype).max > get_format(fmt).max
+    except ValueError:
+        return False
+
+
 AUTO = "auto"  # the format of what the run trains in, decided at the first watched forward (detect_format)
 
 

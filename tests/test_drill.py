@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import linecache
 import os
 import sys
 import types
@@ -14,6 +15,7 @@ from helpers import SoftCube
 from torch import nn
 
 from ampdoctor.bisect.drill import OpProbe, drill_down
+from ampdoctor.bisect.driver import _source_line
 from ampdoctor.precision import keep_fp32
 
 AC = dict(device_type="cpu", dtype=torch.float16)
@@ -232,6 +234,7 @@ class _CellCompiler:
     def cache(self, source: str, number: int) -> str:
         name = f"/tmp/ipykernel_4242/{abs(hash(source))}.py"  # ipykernel names a cell's file so
         self._filename_map[name] = number
+        linecache.cache[name] = (len(source), None, source.splitlines(True), name)  # as IPython keeps its code
         return name
 
     def format_code_name(self, name: str):
@@ -274,6 +277,8 @@ def test_notebook_cell_location_is_the_cell_plain_files_unchanged(monkeypatch, c
         ("0", "mul", f"{os.path.basename(__file__)}:{line_of(SquareNorm.forward, 'h * h')}"),
         ("1", "mul", "cell In[5], line 8")]
     assert producers[1].path == name
+    # bisect's ops entries quote the line: a cell's too (it got none)
+    assert _source_line(producers[1].path, producers[1].where) == "return h * h"
     # outside IPython (no shell running) a cell file is a file like any other
     monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: None))
     with torch.autocast(**AC), OpProbe(model, ["1"]) as probe:

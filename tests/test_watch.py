@@ -1210,6 +1210,33 @@ def test_explicit_format_wins_over_the_run(tmp_path):
     assert beyond and all(rows[i]["overflow"] > 0 and auto_rows[i]["overflow"] == 0 for i in beyond)
 
 
+def test_the_report_of_fp16_on_a_bf16_run_is_an_fp16_readiness_check(tmp_path):
+    """The README says --format fp16 on a bf16 script is an FP16 readiness check; the report said the
+    format was a mistake ('rerun with --format bf16') and gave no readiness lines, only the table."""
+    from ampdoctor.report.html import render_html
+    from ampdoctor.report.model import build_report
+    from ampdoctor.report.readiness import readiness
+    meta, rows = _autocast_run(tmp_path, "fp16.sqlite", fmt="fp16")
+    rep = build_report(tmp_path / "fp16.sqlite")
+    over = sorted({r["layer"] for r in rows if r["overflow"]})
+    names = {lay["id"]: lay["name"] for lay in TraceReader(tmp_path / "fp16.sqlite").layers()}
+    ready = readiness(rep)
+    assert over and ready is not None and ready["ran"] == ["bfloat16"]
+    assert sorted({names[r["layer"]] for r in rows if r["overflow"]}) == sorted({r.layer for r in ready["overflow"]["activation"]})
+    lines, advice = "\n".join(rep.diagnosis.lines), "\n".join(rep.advice)
+    assert "Activations ran in bfloat16 and are measured against fp16: an fp16 readiness check" in lines, lines
+    assert "to judge them as they ran" in lines and "to judge them by what they are" not in lines
+    assert (f"fp16 readiness: the activations of this run ran in bfloat16 (float32 where autocast keeps it), so its values "
+            f"were measured against fp16: {len(over)} of ") in advice, advice
+    assert "Would overflow in fp16 (max 65504): outputs of " in advice and "when you switch autocast to fp16" in advice
+    body = render_html(rep)
+    assert "Diagnosis: fp16 readiness" in body and "ran in bfloat16" in body and "every activation was float32" not in body
+    # measured against what it ran in, the same run is no readiness check
+    _autocast_run(tmp_path, "auto.sqlite")
+    auto = build_report(tmp_path / "auto.sqlite")
+    assert readiness(auto) is None and not any("readiness" in a for a in auto.advice)
+
+
 @pytest.mark.parametrize("leaf", [False, True])
 def test_a_validation_pass_in_eval_mode_without_no_grad_is_not_recorded_as_training(tmp_path, leaf):
     """model.eval() and a forward with gradients enabled (a validation loop that forgot no_grad) after

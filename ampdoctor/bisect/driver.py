@@ -94,10 +94,11 @@ def _ops_from(trace: Path, culprits: Sequence[str]) -> list[dict]:
 
 
 def _source_line(path: Any, where: Any) -> str:
-    """The text of the source line ``where`` (``file.py:42``) names in file ``path`` ("" if unreadable)."""
-    if not path or not isinstance(where, str) or ":" not in where:
+    """The text of the source line ``where`` (``file.py:42``, or a notebook cell's ``cell In[5], line 7``)
+    names in file ``path`` ("" if unreadable: a cell's code is in ``linecache`` while its shell runs)."""
+    if not path or not isinstance(where, str):
         return ""
-    line = where.rsplit(":", 1)[1]
+    line = where.rsplit(", line ", 1)[1] if where.startswith("cell ") and ", line " in where else where.rsplit(":", 1)[-1]
     if not line.isdigit():
         return ""
     import linecache

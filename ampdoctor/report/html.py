@@ -23,6 +23,7 @@ from .phrasing import fmt_bits as _bits
 from .phrasing import fmt_num as _num
 from .phrasing import fmt_pct as _pct
 from .phrasing import plural
+from .readiness import ran_in
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +124,7 @@ def _diagnosis(report: Report, ready: dict | None) -> str:
         badge = (f'<span class="badge readiness">{_e(fmt.name)} readiness</span>'
                  f"would overflow in {_e(fmt.name)}: {plural(n_over, 'layer')}; would underflow: "
                  f"{plural(n_under, 'layer')} "
-                 f"<span class=\"muted\">(no autocast in this run: every activation was float32)</span>")
+                 f"<span class=\"muted\">({_e(ran_in(ready))})</span>")
         title = f"Diagnosis: {fmt.name} readiness"
     elif d.broke:
         badge = f'<span class="badge broke">broke at step {_e(d.step)}</span>{_e(d.reason or "")}'

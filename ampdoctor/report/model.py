@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..formats import Format, get_format
+from ..formats import Format, get_format, wider_than
 from ..oracle import NAN_SKIPS, Decision, Oracle, OracleConfig, trailing_nonfinite_start
 from ..trace import TraceReader, _pid_alive, _rank_of, find_traces, rank_siblings
 from .phrasing import plural, shown_layer
@@ -465,7 +465,11 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
             f" (in {partial} of them another optimizer still stepped: with several optimizers on one GradScaler, "
             "a step skips only those whose gradients held Inf/NaN)." if partial else "."))
     ran = meta.get("activation_dtype")
-    if ran and ran != meta.get("format_dtype"):
+    if ran and ran != meta.get("format_dtype") and decision is None and wider_than(ran, meta.get("format") or ""):
+        lines.append(f"Activations ran in {ran} and are measured against {meta.get('format')}: {_a(str(meta.get('format')))} "
+                     f"readiness check (what would overflow or underflow there: see the advice); rerun with --format "
+                     f"{'bf16' if ran == 'bfloat16' else 'fp16'} to judge them as they ran.")
+    elif ran and ran != meta.get("format_dtype"):
         lines.append(f"Activations ran in {ran} but the numbers are measured against {meta.get('format')}: "
                      f"rerun with --format {'bf16' if ran == 'bfloat16' else 'fp16'} to judge them by what they are.")
     if status == "crashed":
@@ -492,6 +496,11 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
         reason=None if decision is None else decision.reason, first_nonfinite=fn, lines=lines,
         steps_seen=len(timeline), optimizer_steps=_optimizer_steps(timeline, meta), skipped_steps=skipped,
         first_loss_nonfinite=first_loss_bad)
+
+
+def _a(word: str) -> str:
+    """``word`` after its indefinite article, as said aloud (an fp16, a bf16)."""
+    return f"{'an' if word[:1].lower() in 'aefhilmnorsx' else 'a'} {word}"
 
 
 def _lost_steps(meta: dict, timeline: list[dict]) -> str | None:
