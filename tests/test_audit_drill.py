@@ -420,3 +420,24 @@ def test_a_diverging_run_is_told_its_overflow_may_be_the_divergence(tmp_path):
     text = "\n".join(culprit_advice(rep))
     assert "Before that, the loss grew from " in text and "a training that diverges" in text, text
     assert "verdict is not_precision" in text
+    # the whole advice says how the loss grew once (the divergence advice and the culprit's both said it)
+    grew = [a for a in rep.advice if a.startswith(("The loss grew from", "Before that, the loss grew from"))]
+    assert len(grew) == 1, rep.advice
+
+
+def test_a_learning_rate_divergence_says_how_the_loss_grew_once(tmp_path):
+    # tests/scripts/lr_diverges.py: the divergence advice ("The loss grew from 0.0909 (step 4) to ...") and the
+    # first overflowing layer's ("Before that, the loss grew from 0.0909 (step 4) to ...") said the same twice
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from ampdoctor.report import build_report
+
+    script = Path(__file__).parent / "scripts" / "lr_diverges.py"
+    subprocess.run([sys.executable, "-m", "ampdoctor", "run", "--out", str(tmp_path / "run"), str(script), "--", "--steps", "60"],
+                   capture_output=True, text=True, timeout=300, check=False)
+    rep = build_report(tmp_path / "run")
+    grew = [a for a in rep.advice if "the loss grew from" in a.lower()]
+    assert len(grew) == 1 and grew[0].startswith("The loss grew from") and "optimisation divergence" in grew[0], rep.advice
+    assert any("Keep" in a and "in FP32" in a for a in rep.advice), rep.advice  # (the layer is still named)

@@ -67,6 +67,7 @@ def advise(report: Report) -> list[str]:
         out_note = f"loss-scale analysis failed: {type(e).__name__}: {e}"
         report.notes.append(out_note)
     diverged = divergence_advice(report, scaler)
+    growth_said = any(a.startswith("The loss grew from") for a in diverged)
     if diverged and culprits(report)[1] != "bisect":
         # the loss grew tenfold before it broke (or bisect saw FP32 break too): the learning rate is the fix,
         # and the layer that first overflowed (a suspect from the numbers, not verified) comes after it
@@ -75,7 +76,7 @@ def advise(report: Report) -> list[str]:
     if ready is not None:
         out += readiness_advice(report, ready)
     else:
-        out += culprit_advice(report)
+        out += culprit_advice(report, growth_said=growth_said)
         out += attention_advice(report)
     out += diverged
     out += scaler_advice(report, scaler, ls)

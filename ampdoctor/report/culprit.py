@@ -126,8 +126,9 @@ def _cast_back(report: Report, name: str) -> list[str]:
             "bound the output; `ampdoctor bisect` finds the smallest set that fixes training."]
 
 
-def culprit_advice(report: Report) -> list[str]:
-    """How to keep the culprits in FP32 and why; when there is none, where the non-finite value came from."""
+def culprit_advice(report: Report, growth_said: bool = False) -> list[str]:
+    """How to keep the culprits in FP32 and why; when there is none, where the non-finite value came from.
+    ``growth_said``: the divergence advice says already how the loss grew (not said twice)."""
     names, source = culprits(report)
     if not names:
         fn = report.diagnosis.first_nonfinite or {}
@@ -172,7 +173,8 @@ def culprit_advice(report: Report) -> list[str]:
                      "really fixes training, or finds that FP32 breaks too)")
         lines += weights or _nan_not_overflow(report, names[0])
         lines += _cast_back(report, names[0])
-        lines += _grew_first(report)
+        if not growth_said:
+            lines += _grew_first(report)
     else:  # what bisect's drill-down saw of the culprits' inputs (bisect.json's advice)
         lines += weights
         lines += [a for a in (report.bisect or {}).get("advice") or [] if isinstance(a, str) and a.startswith(CAME_IN)]
