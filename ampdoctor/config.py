@@ -28,6 +28,7 @@ class RunConfig:
     auto_watch: bool = True           # watch the model automatically if the script never calls watch()
     probe: list[str] = field(default_factory=list)  # modules to drill into op by op
     reference_losses: dict[str, float] | None = None  # FP32 control's loss per step (divergence)
+    autocast_off: bool = False        # every torch.autocast region of the script entered disabled (bisect's control)
 
     def to_env(self) -> str:
         return json.dumps(asdict(self))

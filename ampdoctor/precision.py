@@ -51,6 +51,7 @@ as it is; after ``model.float()`` it cannot tell, and restores the half dtype.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import difflib
@@ -58,7 +59,7 @@ import gc
 import logging
 import threading
 import weakref
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -562,6 +563,32 @@ def keep_fp32(module: nn.Module) -> Fp32Handle:
     module exactly. Does not sync with the GPU.
     """
     return Fp32Handle(module)
+
+
+AUTOCAST_TURNED_OFF = [0]  # autocast regions :func:`autocast_off` entered disabled that were enabled
+
+
+@contextlib.contextmanager
+def autocast_off() -> Iterator[None]:
+    """Every ``torch.autocast`` region entered while this is on (``with torch.autocast(...)``, the
+    decorator, ``torch.cuda.amp.autocast``) is entered disabled: the script's own code outside its
+    modules (a loss computed under autocast) runs in FP32 too. Bisect's control for a run whose layers
+    all in FP32 still break."""
+    ac = torch.amp.autocast_mode.autocast
+    original = ac.__enter__
+
+    def __enter__(self: Any) -> Any:
+        if getattr(self, "_enabled", False):
+            AUTOCAST_TURNED_OFF[0] += 1
+        self._enabled = False
+        return original(self)
+
+    ac.__enter__ = __enter__
+    try:
+        yield
+    finally:
+        if ac.__enter__ is __enter__:
+            ac.__enter__ = original
 
 
 def resolve_modules(model: nn.Module, names: Iterable[str], *, what: str = "force_fp32") -> list[tuple[str, nn.Module]]:

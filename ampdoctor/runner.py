@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -222,6 +223,9 @@ def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig
         extra = {"error": err} if err else {}
         if stop_reason:
             extra["stop_reason"] = stop_reason
+        if config.autocast_off:  # how many autocast regions the control ran disabled (0: the script has none)
+            from .precision import AUTOCAST_TURNED_OFF
+            extra["autocast_turned_off"] = AUTOCAST_TURNED_OFF[0] - turned_off
         session.close(status={"finished": "finished", "stopped": "finished"}.get(status, status), exit_code=code, **extra)
         steps = max(steps, session.step)
         decision = decision if decision is not None else session.decision
@@ -256,6 +260,12 @@ def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
         term_prev = signal.signal(signal.SIGTERM, _raise_terminated)
     thread_stop = _ThreadStop()  # --max-steps / a decided trial reached in a thread the script started
+    no_autocast = contextlib.ExitStack()
+    turned_off = 0
+    if config.autocast_off:  # (bisect's control: the script's own code under autocast in FP32 too)
+        from .precision import AUTOCAST_TURNED_OFF, autocast_off
+        no_autocast.enter_context(autocast_off())
+        turned_off = AUTOCAST_TURNED_OFF[0]
     try:
         runpy.run_path(str(path), run_name="__main__")
         thread_stop.check()
@@ -283,6 +293,7 @@ def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig
         if os.getpid() != pid:  # a child the script forked (os.fork) ran to the script's end: its end, not the run's
             _end_forked_child(code, tb)
         result = finish(status, code, err, tb, stop_reason, decision)
+        no_autocast.close()
     return result
 
 

@@ -52,11 +52,36 @@ def test_a_run_that_diverges_in_fp32_too_is_not_precision(tmp_path):
     res = json.loads((tmp_path / "r.json").read_text())
     assert res["verdict"] == "not_precision" and p.returncode == 3, p.stdout + p.stderr
     assert res["failure"] == {"step": 47, "reason": "scale_collapse"}, res["failure"]
-    base, ctl = res["trials"]
+    base, ctl, off = res["trials"]
     assert ctl["fp32"] == [""] and ctl["outcome"] == "fail" and res["trial_details"][1]["reason"] == "divergence"
     # the control's loss: 0.85 at step 0 (first five steps' mean 0.42), 47 at step 12
     assert ctl["step"] == 12, ctl
     assert "the loss grew over 100x its first steps' from step 12" in p.stdout, p.stdout
+    # with autocast off in the whole script too it diverges: not the script's own code under autocast either
+    assert off == {**off, "fp32": [""], "autocast": False, "outcome": "fail"} and res["autocast_off_control"] == "fail", res
+    assert "not a precision problem" in p.stdout and "with autocast off in the whole script it fails too" in p.stdout
+
+
+def test_a_loss_computed_under_autocast_is_not_called_not_a_precision_problem(tmp_path):
+    """A contrastive loss's z @ z.T under autocast (fp16 whatever its inputs) overflows: every layer in FP32
+    still breaks, so bisect said 'not a precision problem (learning rate, data, a bug?)' and the report told
+    to compute the loss as loss_fn(out.float(), y), inside the block, which does not help. A control with
+    every autocast region of the script off now tells the two apart."""
+    from ampdoctor.report import build_report
+    from ampdoctor.report.culprit import OUTSIDE_MODEL
+    p = bisect("--out", tmp_path / "b", "--json", tmp_path / "r.json", SCRIPTS / "loss_matmul_under_autocast.py")
+    res = json.loads((tmp_path / "r.json").read_text())
+    assert res["verdict"] == "not_precision" and p.returncode == 3, p.stdout + p.stderr  # (every layer in FP32 breaks)
+    assert [(t["fp32"], t["outcome"], t.get("autocast", True)) for t in res["trials"]] == [
+        ([], "fail", True), ([""], "fail", True), ([""], "pass", False)], res["trials"]
+    assert res["autocast_off_control"] == "pass" and res["advice"][0].startswith(OUTSIDE_MODEL), res["advice"]
+    assert "the loss was non-finite at step 0 while every watched layer's output was finite" in res["advice"][0]
+    out = " ".join(p.stdout.split())
+    assert "trains with autocast off in the whole script" in out and "not a precision problem" not in out, out
+    assert "fp32=[(whole model); autocast off] -> pass" in " ".join(p.stderr.split()), p.stderr
+    rep = build_report(tmp_path / "b")
+    assert rep.advice[0] == res["advice"][0], rep.advice
+    assert not any("not a precision problem" in a or "loss_fn(out.float(), y)`)" in a for a in rep.advice), rep.advice
 
 
 def test_the_all_fp32_control_runs_twice_as_far(tmp_path):

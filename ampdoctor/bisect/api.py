@@ -37,7 +37,9 @@ class InProcessRunner(TrialRunner):
 
     def run(self, name: str, fp32: Sequence[str], *, pass_after: int | None, all_modules: bool = False,
             probe: Sequence[str] = (), gpu: int | None = None, lite: bool = False, oracle: dict | None = None,
-            timeout: float | None = None) -> Trial:  # (in-process: a trial cannot be stopped on time)
+            timeout: float | None = None, autocast_off: bool = False) -> Trial:  # (in-process: not stopped on time)
+        import contextlib
+
         import numpy as np
         import torch
 
@@ -47,7 +49,8 @@ class InProcessRunner(TrialRunner):
         folder = self.out / "trials" / f"{index:02d}-{name}"
         folder.mkdir(parents=True, exist_ok=True)
         cfg: RunConfig = self.config(fp32, trace=folder / "trace.sqlite", pass_after=pass_after,
-                                     all_modules=all_modules, probe=probe, lite=lite, oracle=oracle)
+                                     all_modules=all_modules, probe=probe, lite=lite, oracle=oracle,
+                                     autocast_off=autocast_off)
         (folder / "config.json").write_text(cfg.to_env())
         random.seed(self.seed)
         np.random.seed(self.seed)
@@ -62,6 +65,12 @@ class InProcessRunner(TrialRunner):
             session.on_attach.append(lambda w: _attach_probe(w, cfg, probes))
         t0 = time.monotonic()
         status, err, decision, code = "finished", None, None, 0
+        no_autocast = contextlib.ExitStack()
+        if autocast_off:
+            from ..precision import AUTOCAST_TURNED_OFF
+            from ..precision import autocast_off as _off
+            no_autocast.enter_context(_off())
+            turned_off = AUTOCAST_TURNED_OFF[0]
         try:
             self.train_fn()
         except StopRun as e:
@@ -78,14 +87,17 @@ class InProcessRunner(TrialRunner):
                 _write_probe(session, p)
             trained = session.step > 0 or session.optimizer_steps > 0
             steps = session.step
-            session.close(status=status if status in ("crashed", "exited") else "finished",
-                          **({"exit_code": code} if code else {}))
+            extra = {"exit_code": code} if code else {}
+            if autocast_off:
+                extra["autocast_turned_off"] = AUTOCAST_TURNED_OFF[0] - turned_off
+            session.close(status=status if status in ("crashed", "exited") else "finished", **extra)
+            no_autocast.close()
             decision = decision or session.decision
         data = {"status": status, "exit_code": code, "error": err, "steps": steps, "trained": trained,
                 "decision": None if decision is None else {"outcome": decision.outcome, "step": decision.step,
                                                            "reason": decision.reason}}
         (folder / "result.json").write_text(json.dumps(data))
-        handle = {"folder": folder, "fp32": list(fp32), "name": name, "index": index}
+        handle = {"folder": folder, "fp32": list(fp32), "name": name, "index": index, "autocast": not autocast_off}
         trial = self._classify(handle, 0, False, time.monotonic() - t0)
         self.trials.append(trial)
         return trial

@@ -13,7 +13,7 @@ import click
 
 from ..formats import FORMATS
 from ..oracle import OracleConfig
-from ..report.culprit import CAME_IN, OWN_CODE
+from ..report.culprit import CAME_IN, OWN_CODE, trains_without_autocast
 from ..report.phrasing import shown_layer
 from .driver import CONTROL_BLOWUP
 
@@ -33,7 +33,7 @@ def _progress(kind: str, info: dict) -> None:
         click.echo(f"  ... {info['name']}", err=True)
     elif kind == "trial":
         t = info["trial"]
-        forced = ", ".join(map(_shown, t.fp32)) or "nothing"
+        forced = (", ".join(map(_shown, t.fp32)) or "nothing") + ("; autocast off" if not getattr(t, "autocast", True) else "")
         what = t.outcome + (f" at step {t.step} ({t.reason})" if t.outcome == "fail" else "")
         if t.outcome in ("error", "timeout") and t.error:
             what += f": {t.error}"
@@ -89,6 +89,9 @@ def _summary(res: dict) -> str:
     lines.append(f"{n} trial(s), {res.get('seconds', 0):.1f}s")
     if res["verdict"] == "healthy":
         lines.append("The baseline run did not break: nothing to bisect (raise --max-steps or check the arguments).")
+    elif trains_without_autocast(res):
+        lines.append("It breaks with every layer in FP32 too, but trains with autocast off in the whole script: the "
+                     "NaN/Inf is made by the script's own code under autocast, outside the model (see fix).")
     elif res["verdict"] == "not_precision":
         lines.append("It breaks with every layer in FP32 too: not a precision problem (learning rate, data, a bug?).")
     elif res["verdict"] == "error":

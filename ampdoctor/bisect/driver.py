@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 
 from ..naming import half_weights_under, is_torch_module, module_expr, plain_fix, root_hint, wrapped_hint
 from ..oracle import OracleConfig
-from ..report.culprit import CAME_IN, LOSS_OVERFLOW, OWN_CODE, recomputed_note
+from ..report.culprit import CAME_IN, LOSS_OVERFLOW, OUTSIDE_MODEL, OWN_CODE, recomputed_note
 from ..trace import TraceReader
 from .candidates import Baseline, read_baseline
 from .search import find_culprits
@@ -197,6 +197,20 @@ def loss_advice(first: dict | None, culprits: Sequence[str]) -> list[str]:
            "of that layer's speed" if reads else "")
     return [f"{LOSS_OVERFLOW} outside the model ({what}): compute the loss in FP32 "
             f"(`loss_fn(out.float(), y)`, or the loss's ops under `torch.autocast(device, enabled=False)`){why}."]
+
+
+def outside_model_advice(first: dict | None) -> list[str]:
+    """Every layer in FP32 still breaks, and the script with its autocast regions off trains: its own code
+    under autocast (outside the model's modules: a loss) makes the NaN/Inf."""
+    first = first or {}
+    where = (f" (the loss was non-finite at step {first.get('step')} while every watched layer's output was finite)"
+             if first.get("loss_nonfinite") else
+             f" (the gradient entering {first.get('layer') or 'the model'} from the loss was non-finite at step "
+             f"{first.get('step')})" if first.get("from_loss") else "")
+    return [f"{OUTSIDE_MODEL} in the whole script it trains: the script's own code under autocast, outside the model's "
+            f"modules, makes the NaN/Inf{where}. Run that code (the loss) in FP32: after the `with torch.autocast(...)` "
+            "block, or inside `with torch.autocast(device_type, enabled=False):` on `.float()` inputs. Under autocast a "
+            "matmul runs in fp16 whatever its inputs, so `loss_fn(out.float(), y)` inside the block may not be enough."]
 
 
 def fix_snippets(culprits: Sequence[str], types: dict[str, str], ops: list[dict],
@@ -391,6 +405,25 @@ def _bisect(opts: BisectOptions, emit: Callable[[str, dict], None], runner: Tria
     if sr.verdict == "not_precision":
         ctl = next((t for t in runner.trials if t.name == "all-fp32"), None)
         notes += _control_notes(ctl, opts) if ctl is not None else []
+        if not bl.half_weights and (opts.max_trials is None or len(runner.trials) - 1 < opts.max_trials):
+            # every layer in FP32 still breaks: does the script train with its autocast regions off too? Where
+            # it does, its own code under autocast (a loss: a matmul or exp there runs in fp16 whatever its
+            # inputs) makes the NaN/Inf, outside the model: not a learning rate
+            off = record(runner.run("autocast-off", sorted(root_set), lite=True, autocast_off=True, **control))
+            try:
+                turned = TraceReader(Path(off.folder) / "trace.sqlite").meta().get("autocast_turned_off")
+            except Exception:  # noqa: BLE001 - no trace: the trial's outcome says what happened
+                turned = None
+            if turned == 0:  # the script enters no autocast: the control above said it all
+                pass
+            elif off.outcome == "pass":
+                result["autocast_off_control"] = "pass"
+                result["advice"] = outside_model_advice(bl.first_nonfinite)
+                notes.append("with autocast off in the whole script (every layer in FP32 too) it trains: the script's "
+                             "own code under autocast makes the NaN/Inf, outside the model")
+            elif off.outcome == "fail":
+                result["autocast_off_control"] = "fail"
+                notes.append(f"with autocast off in the whole script it fails too: {off.reason} at step {off.step}")
     if sr.verdict != "culprit":
         extra: dict[str, Any] = {"notes": notes}
         if sr.verdict == "inconclusive":

@@ -48,8 +48,13 @@ class Trial:
     steps: int = 0
     extra: dict = field(default_factory=dict)
 
+    autocast: bool = True        # False: the control with every autocast region of the script off
+
     def to_contract(self) -> dict:
-        return {"fp32": list(self.fp32), "outcome": self.outcome, "step": self.step, "seconds": round(self.seconds, 3)}
+        out = {"fp32": list(self.fp32), "outcome": self.outcome, "step": self.step, "seconds": round(self.seconds, 3)}
+        if not self.autocast:
+            out["autocast"] = False
+        return out
 
 
 class TrialRunner:
@@ -73,24 +78,25 @@ class TrialRunner:
         self.fork = fork and self.nproc == 1 and fork_ok()
 
     def config(self, fp32: Sequence[str], *, trace: Path, pass_after: int | None, all_modules: bool = False,
-               probe: Sequence[str] = (), lite: bool = False, oracle: dict | None = None) -> RunConfig:
+               probe: Sequence[str] = (), lite: bool = False, oracle: dict | None = None,
+               autocast_off: bool = False) -> RunConfig:
         """``oracle``: settings of this trial's oracle that differ from the runner's (the all-FP32 control's)."""
         # lite: a search trial needs only what the oracle reads (loss, scale, skipped), not per-layer
         # statistics: record the first step in full, then only the steps after a non-finite loss
         every = LITE_EVERY if lite else 1
         return RunConfig(trace=str(trace), format=self.fmt, every=every, all_modules=all_modules, max_steps=self.max_steps,
                          force_fp32=list(fp32), oracle={**self.oracle, **(oracle or {})}, pass_after=pass_after,
-                         probe=list(probe), reference_losses=self.reference)
+                         probe=list(probe), reference_losses=self.reference, autocast_off=autocast_off)
 
     def start(self, name: str, fp32: Sequence[str], *, pass_after: int | None, all_modules: bool = False,
               probe: Sequence[str] = (), gpu: int | None = None, lite: bool = False, oracle: dict | None = None,
-              timeout: float | None = None) -> dict:
+              timeout: float | None = None, autocast_off: bool = False) -> dict:
         """Launch a trial; returns a handle for :meth:`wait`. ``timeout``: this trial's, instead of the runner's."""
         index = len(self.trials) + len(getattr(self, "_running", []))
         folder = self.out / "trials" / f"{index:02d}-{name}"
         folder.mkdir(parents=True, exist_ok=True)
         cfg = self.config(fp32, trace=folder / "trace.sqlite", pass_after=pass_after, all_modules=all_modules, probe=probe,
-                          lite=lite, oracle=oracle)
+                          lite=lite, oracle=oracle, autocast_off=autocast_off)
         (folder / "config.json").write_text(cfg.to_env())
         env = dict(os.environ, **self.env)
         env["AMPDOCTOR_CONFIG"] = cfg.to_env()
@@ -114,6 +120,7 @@ class TrialRunner:
                 proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL,
                                         stdout=stdout, stderr=stderr, env=env, cwd=os.getcwd(), start_new_session=True)
             handle = {"proc": proc, "t0": t0, "folder": folder, "fp32": list(fp32), "name": name, "index": index,
+                      "autocast": not autocast_off,
                       "files": (stdout, stderr), "timeout": self.timeout if timeout is None else timeout}
             self._running = getattr(self, "_running", []) + [handle]
         return handle
@@ -182,7 +189,8 @@ class TrialRunner:
     # -- classification --------------------------------------------------------------------
     def _classify(self, handle: dict, returncode: int | None, timed_out: bool, seconds: float) -> Trial:
         folder = handle["folder"]
-        base = dict(index=handle["index"], name=handle["name"], fp32=handle["fp32"], seconds=seconds, folder=str(folder))
+        base = dict(index=handle["index"], name=handle["name"], fp32=handle["fp32"], seconds=seconds, folder=str(folder),
+                    autocast=handle.get("autocast", True))
         result_file = folder / "result.json"
         if not result_file.exists() and (folder / "result.rank0.json").exists():
             result_file = folder / "result.rank0.json"  # under torchrun rank 0 speaks for the run

@@ -17,6 +17,13 @@ __all__ = ["MATMUL_OPS", "culprits", "culprit_advice", "attention_advice", "reco
 CAME_IN = "The input of "
 LOSS_OVERFLOW = "The loss overflowed"  # bisect's advice for a first non-finite value made by the loss
 OWN_CODE = "The first NaN/Inf was made in "  # bisect's advice for one made by a root's own code, not a layer
+OUTSIDE_MODEL = "Every layer in FP32 still breaks, but with autocast off"  # bisect's advice: the script's own code
+
+
+def trains_without_autocast(bisect: dict | None) -> bool:
+    """Bisect found every layer in FP32 still breaking, and the script with every autocast region off training:
+    the NaN/Inf is made by the script's own code under autocast (a loss), outside the model's modules."""
+    return (bisect or {}).get("verdict") == "not_precision" and (bisect or {}).get("autocast_off_control") == "pass"
 MATMUL_OPS = ("matmul", "bmm", "baddbmm", "mm", "addmm", "linear", "einsum", "scaled_dot_product_attention")
 
 
@@ -132,6 +139,8 @@ def culprit_advice(report: Report, growth_said: bool = False) -> list[str]:
     names, source = culprits(report)
     if not names:
         fn = report.diagnosis.first_nonfinite or {}
+        if trains_without_autocast(report.bisect):
+            return [a for a in report.bisect.get("advice") or [] if isinstance(a, str) and a.startswith(OUTSIDE_MODEL)]
         if fn.get("input_nonfinite"):
             return [f"The input of {shown_layer(fn.get('layer'))} was already non-finite at step {fn.get('step')}: "
                     "check the data and the code outside the watched model; forcing FP32 will not help."]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from ..naming import half_weights_under, root_hint, wrapper_of
+from .culprit import trains_without_autocast
 from .model import KIND_TITLES, LayerRow, Report, write_whole
 from .phrasing import fmt_bits as _bits
 from .phrasing import fmt_num as _num
@@ -201,7 +202,11 @@ def _fix(report: Report, ready: dict | None) -> str:
         source = "readiness"
     verdict = (report.bisect or {}).get("verdict")
     if not names:
-        if verdict == "not_precision":
+        if trains_without_autocast(report.bisect):
+            body = ('<p class="muted">No layer to keep in FP32: bisect found that training breaks with every layer in FP32 '
+                    "too, and trains with autocast off in the whole script: the NaN/Inf is made by the script's own code "
+                    "under autocast, outside the model (see the advice).")
+        elif verdict == "not_precision":
             body = ('<p class="muted">Not a precision problem: bisect found that training breaks with every layer in '
                     "FP32 too, so no FP32 cast fixes it.")
         elif ready is None:

@@ -4,6 +4,7 @@ half precision (pure ``.half()``/``.bfloat16()``: master weights, optimizer eps,
 
 from __future__ import annotations
 
+from .culprit import trains_without_autocast
 from .model import Report, loss_growth
 from .phrasing import fmt_num, plural
 from .scaler_health import ScalerHealth, scaler_health
@@ -43,7 +44,7 @@ def divergence_advice(report: Report, scaler: ScalerHealth | None = None) -> lis
     d = report.diagnosis
     b = report.bisect or {}
     out = []
-    if b.get("verdict") == "not_precision":
+    if b.get("verdict") == "not_precision" and not trains_without_autocast(b):
         out.append("bisect: training breaks with every layer in FP32 too, so this is not a precision problem: "
                    "look at the learning rate, warmup, gradient clipping and the data.")
     grew = _growth(report)
