@@ -671,3 +671,19 @@ def test_horizons_are_the_steps_run_when_the_script_ends_before_them(tmp_path):
     res = json.loads((tmp_path / "c" / "bisect.json").read_text())
     assert (res["pass_after"], res["control_pass_after"]) == (27, 54), res
     assert not any(n.startswith("the script ended") for n in res.get("notes", [])), res["notes"]
+
+
+def test_a_bf16_script_is_bisected_against_bf16(tmp_path):
+    """bisect measured every script against fp16 unless told otherwise: on a pure bf16 model whose one-pass
+    variance cancels into a negative number (rsqrt: NaN), it printed 'fix: mul ... overflows (abs-max 9.37e+04):
+    compute the product in FP32', an overflow bf16 cannot have. Its format is now the baseline's (auto)."""
+    r = bisect("--out", tmp_path / "b", SCRIPTS / "bf16_one_pass_variance.py")
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads((tmp_path / "b" / "bisect.json").read_text())
+    assert res["verdict"] == "culprit" and res["culprits"] == ["0"], res
+    first = [o for o in res["ops"] if o["pick"] == "first"]
+    assert [(o["op"], o["where"]) for o in first] == [("rsqrt", "bf16_one_pass_variance.py:18")], res["ops"]
+    assert not any("overflows" in a for a in res["advice"]), res["advice"]
+    formats = {json.loads((tmp_path / "b" / "trials" / t / "config.json").read_text())["format"]
+               for t in os.listdir(tmp_path / "b" / "trials") if t != "00-baseline"}
+    assert formats == {"bf16"}, formats

@@ -107,7 +107,7 @@ class InProcessRunner(TrialRunner):
                 for n, f, *rest in specs]
 
 
-def bisect(train_fn: Callable[[], Any], *, format: str = "fp16", out: str | Path | None = None,
+def bisect(train_fn: Callable[[], Any], *, format: str = "auto", out: str | Path | None = None,
            max_steps: int | None = None, margin: int | None = None, repeat: int = 1, drill: bool = True,
            seed: int = 0, oracle: Any = None, progress: Callable[[str, dict], None] | None = None) -> dict:
     """Find the modules whose FP32 cast stops ``train_fn()`` from breaking; returns the bisect

@@ -113,7 +113,8 @@ def _summary(res: dict) -> str:
 @click.option("--out", type=click.Path(file_okay=False), default=None,
               help="Run folder [default: ./ampdoctor-runs/<script>-bisect-<time>].")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write the result JSON here too.")
-@click.option("--format", "fmt", type=click.Choice(sorted(FORMATS), case_sensitive=False), default="fp16", show_default=True)
+@click.option("--format", "fmt", type=click.Choice(["auto", *sorted(FORMATS)], case_sensitive=False), default="auto",
+              show_default=True, help="target format; auto: what the baseline trains in (autocast's dtype, a .half() model's)")
 @click.option("--jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="Independent trials at once (one GPU each when several are visible).")
 @click.option("--repeat", type=click.IntRange(min=1), default=1, show_default=True,

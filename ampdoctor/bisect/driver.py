@@ -36,7 +36,7 @@ CONTROL_BLOWUP = 100.0
 
 @dataclass
 class BisectOptions:
-    fmt: str = "fp16"
+    fmt: str = "auto"  # "auto": what the baseline trains in, then that for every later trial
     oracle: OracleConfig | None = None
     timeout: float | None = None      # per trial (seconds); default: none for the baseline, then 3x its time + 30 s (at least 60)
     max_steps: int | None = None      # cap every trial (the baseline too)
@@ -345,6 +345,12 @@ def _bisect(opts: BisectOptions, emit: Callable[[str, dict], None], runner: Tria
                       notes=[f"logs: {base.folder}/stderr.txt"])
     if base.outcome == "pass":
         return finish("healthy", notes=[f"the baseline ran {base.steps} steps without breaking"] + base_notes)
+    if opts.fmt == "auto":  # the format the baseline found the script training in, for every later trial
+        try:
+            opts.fmt = str(TraceReader(Path(base.folder) / "trace.sqlite").meta().get("format") or "fp16")
+        except Exception:  # noqa: BLE001 - no trace to read: fp16, as watch() falls back to
+            opts.fmt = "fp16"
+        runner.fmt = opts.fmt
     fail_step = base.step or 0
     result["failure"] = {"step": fail_step, "reason": base.reason}
     bl: Baseline = read_baseline(Path(base.folder) / "trace.sqlite", fail_step, base.reason)
