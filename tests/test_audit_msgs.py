@@ -333,3 +333,52 @@ def test_fp32_gradients_exactly_zero_are_not_called_an_fp16_underflow(tmp_path):
     assert line.startswith("Every activation gradient (1, 0) was exactly 0 in float32 in all 3 recorded steps")
     assert "nothing underflowed" in line and "No loss scale changes that" in line
     assert not any("underflow to zero" in a or "2**11" in a for a in advice), advice
+
+
+class _VAE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.enc = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 128), nn.ReLU())
+        self.fc_mu, self.fc_logvar = nn.Linear(128, 16), nn.Linear(128, 16)
+        self.dec = nn.Sequential(nn.Linear(16, 128), nn.ReLU(), nn.Linear(128, 32))
+        nn.init.normal_(self.fc_logvar.weight, std=0.8)  # logvar about +-20: exp(logvar) past 65504
+
+    def forward(self, x):
+        h = self.enc(x)
+        mu, logvar = self.fc_mu(h), self.fc_logvar(h)
+        z = mu + torch.randn_like(mu) * torch.exp(0.5 * logvar.clamp(max=10))
+        return self.dec(z), mu, logvar
+
+
+def test_a_loss_that_is_inf_in_forward_is_the_first_nonfinite_not_a_scaled_weight_gradient(tmp_path):
+    """A VAE whose KL term's logvar.exp() overflows fp16 from step 0: the loss is Inf in forward, every layer's
+    output finite. The decoder's weight gradient (backward runs it first) was named the first non-finite value,
+    'produced from finite inputs', and bisect named it too; the loss comes first, in forward."""
+    import ampdoctor
+    from ampdoctor.bisect.candidates import read_baseline
+    from ampdoctor.report import build_report
+
+    torch.manual_seed(0)
+    model = _VAE()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    x = torch.tanh(torch.randn(64, 8) @ torch.randn(8, 32)) * 3
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")):
+        for _ in range(4):
+            with torch.autocast("cpu", dtype=torch.float16):
+                recon, mu, logvar = model(x)
+                kl = -0.5 * torch.sum(1 + logvar - mu.pow(2) - logvar.exp()) / 64
+                loss = torch.nn.functional.mse_loss(recon, x, reduction="sum") / 64 + kl
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    rep = build_report(tmp_path / "t.sqlite")
+    fn = rep.diagnosis.first_nonfinite
+    assert fn["step"] == 0 and fn.get("loss_nonfinite") and fn["kind"] == "gradient", fn
+    lines = "\n".join(rep.diagnosis.lines)
+    assert "First non-finite value: step 0, the loss itself, while every watched layer's output was finite" in lines, lines
+    assert "produced NaN/Inf from finite inputs" not in lines
+    assert rep.advice[0].startswith("The loss itself was non-finite at step 0"), rep.advice
+    bl = read_baseline(tmp_path / "t.sqlite", 0, "nonfinite_loss")
+    assert bl.first_nonfinite.get("loss_nonfinite") and bl.first_nonfinite["step"] == 0, bl.first_nonfinite

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..naming import split_owner, wrapper_of
-from ..report.model import startup_backoffs
+from ..report.model import loss_made_first, startup_backoffs
 from ..trace import TraceReader
 
 
@@ -152,6 +152,11 @@ def read_baseline(trace: str | Path, failure_step: int | None = None, reason: st
             loss = losses.get(e["step"])
             if loss is not None and not math.isfinite(loss):
                 first["loss_nonfinite"] = True  # the loss itself, in forward: its computation, not its gradient
+    made = loss_made_first(steps, events, first)  # (the report's rule: the loss, non-finite before any gradient)
+    if made is not None:
+        first = {k: v for k, v in made.items() if k != "scaled"}
+        if first["layer"] is None:
+            del first["layer"]
     hints: list[str] = []
     for e in fwd[:1]:
         if e["layer"] in cset:

@@ -160,10 +160,12 @@ def culprit_advice(report: Report, growth_said: bool = False) -> list[str]:
             if loss is not None and not math.isfinite(loss):  # the loss itself, in forward: not its gradient
                 return [f"The loss itself was non-finite at step {fn.get('step')} while every watched layer's output "
                         "was finite: its computation, outside the model, overflowed; compute the loss in FP32 "
-                        "(`loss_fn(out.float(), y)`) and check it."]
+                        "(`loss_fn(out.float(), y)`, or after the `with torch.autocast(...)` block: under autocast a matmul runs in "
+                        "fp16 whatever its inputs) and check it."]
             scaled = " (times the loss scale)" if fn.get("scaled") else ""  # (no GradScaler: no scale to blame)
             return [f"The gradient entering the model from the loss was non-finite at step {fn.get('step')}: the loss"
-                    f"{scaled} overflowed; compute the loss in FP32 (`loss_fn(out.float(), y)`) and check it."]
+                    f"{scaled} overflowed; compute the loss in FP32 (`loss_fn(out.float(), y)`, or after the `with "
+                    "torch.autocast(...)` block: under autocast a matmul runs in fp16 whatever its inputs) and check it."]
         return []
     why = "bisect verified that forcing it to FP32 makes training pass" if source == "bisect" else \
         "it was the first layer to produce a non-finite value from finite inputs"

@@ -372,7 +372,7 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
         # the script raised, or stopped (`if loss.isnan(): break`), after its forward went non-finite: the
         # loss of that last step never reached backward, but the outputs say what happened
         decision = Decision("fail", fwd_events[0]["step"], "nonfinite_loss")
-    fn = _pick_first_nonfinite(events, decision)
+    fn = _pick_first_nonfinite(events, decision, timeline)
     every = int(meta.get("every") or 1)
     spread = None  # (sampled steps) the first non-finite value recorded came after the loss had gone non-finite
     if fn is not None and every > 1 and first_loss_bad is not None and fn["step"] > first_loss_bad:
@@ -435,6 +435,9 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
             lines.append(f"First non-finite value: step {fn['step']}, the weights of {shown_layer(fn['layer'])}: the "
                          "optimizer step made them non-finite (an overflowing update or weight gradient; with DDP, "
                          "a non-finite gradient from another rank).")
+        elif fn.get("loss_nonfinite"):
+            lines.append(f"First non-finite value: step {fn['step']}, the loss itself, while every watched layer's output "
+                         "was finite: its computation, outside the model, overflowed.")
         elif fn.get("from_loss"):
             lines.append(f"First non-finite value: step {fn['step']}, the gradient reaching {shown_layer(fn['layer'])} "
                          "from the loss" + (" (scaled by the GradScaler)." if fn.get("scaled") else "."))
@@ -552,7 +555,34 @@ def _still_written(meta: dict) -> bool:
     return str(meta.get("host")) == socket.gethostname() and pid > 0 and _pid_alive(pid)
 
 
-def _pick_first_nonfinite(events: list[dict], decision: Any) -> dict | None:
+def loss_made_first(timeline: list[dict], events: list[dict], pick: dict | None) -> dict | None:
+    """Where the loss itself was first non-finite in a recorded step in which no watched layer's output was
+    (the forward is done before its backward), and ``pick`` (the first non-finite event otherwise chosen,
+    as ``{"layer", "step", "kind", ...}``) is none or a gradient of that step or later: the loss's computation,
+    outside the model, made it (a KL term's ``exp``), not the layer whose gradient showed it first (a VAE's
+    decoder weight gradient, scaled into Inf at a start-up backoff, was named "produced from finite inputs").
+    The pick to use instead: ``{"kind": "gradient", "from_loss", "loss_nonfinite", ...}``, else None."""
+    bad = next((t for t in timeline if t.get("loss") is not None and not math.isfinite(t["loss"])), None)
+    if bad is None or not bad.get("recorded", 1):  # (a step not recorded in detail: its outputs are not known)
+        return None
+    step = bad["step"]
+    if pick is not None and (pick.get("kind") in ("activation", "weight") or pick.get("at_start") or pick["step"] < step):
+        return None
+    if any(e["detail"].get("kind") == "activation" and e["step"] <= step for e in events if e["kind"] == "first_nonfinite"):
+        return None
+    layer = pick.get("layer") if pick is not None and pick["step"] == step else None
+    return {"kind": "gradient", "layer": layer, "step": step, "from_loss": True, "loss_nonfinite": True,
+            "scaled": bool(pick and pick.get("scaled"))}
+
+
+def _pick_first_nonfinite(events: list[dict], decision: Any, timeline: list[dict] | None = None) -> dict | None:
+    d = _first_event(events, decision)
+    if timeline:
+        d = loss_made_first(timeline, events, d) or d
+    return d
+
+
+def _first_event(events: list[dict], decision: Any) -> dict | None:
     firsts = [e for e in events if e["kind"] == "first_nonfinite"]
     fwd = [e for e in firsts if e["detail"].get("kind") == "activation"]
     unscaled = [e for e in firsts if e["detail"].get("kind") != "activation" and not e["detail"].get("scaled")]
