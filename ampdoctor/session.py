@@ -289,11 +289,19 @@ class Session:
         for cb in list(self.on_attach):
             cb(watch)
 
-    def detach(self, watch: Any) -> None:
+    def detach(self, watch: Any, exc: BaseException | None = None) -> None:
+        """``exc``: what ended the ``with watch(...)`` block, if it raised (the run's end then says so)."""
         if watch in self.watches:
             self.watches.remove(watch)
         if not self.watches and not self.owned:
-            self.close()
+            if isinstance(exc, SystemExit):
+                self._close_with_exit_code(exc.code)
+            elif isinstance(exc, KeyboardInterrupt):
+                self.close("interrupted", error="KeyboardInterrupt")
+            elif isinstance(exc, Exception):
+                self.close("crashed", error=f"{type(exc).__name__}: {exc}")
+            else:
+                self.close()
 
     def new_layer(self, name: str, type_: str, is_leaf: bool, parent: int | None) -> int:
         if name in self._layer_by_name:
@@ -1018,8 +1026,8 @@ class Session:
             host_rows, host_flags, _ = self._to_host(rows, flags)
         finally:
             self._pending_scalars = saved
-        keep = [i for i, m in enumerate(rows.meta) if m[1] != "weight"]
-        meta = [rows.meta[i] for i in keep]
+        keep = [i for i, m in enumerate(rows.meta) if m[1] != "weight" and host_rows[i, 1] == host_rows[i, 1]]  # (NaN:
+        meta = [rows.meta[i] for i in keep]  # a slot never measured, see add_stat_rows)
         host_rows = host_rows[keep]
         if meta:
             self.writer.add_stat_rows(self.step, meta, host_rows, _stats.N_FIELDS)
@@ -1198,6 +1206,9 @@ class Session:
 
     def _flush(self, rows: list, row_meta: list, flags: list, flag_meta: list, recorded: bool) -> Any:
         host_rows, host_flags, host_scalars = self._to_host(rows, flags)
+        if len(row_meta) and np.isnan(host_rows[:, 1]).any():  # slots never measured (a measurement a Ctrl-C cut
+            keep = ~np.isnan(host_rows[:, 1])  # short, written as the run ends): no row, no NaN/Inf seen in them
+            host_rows, row_meta = host_rows[keep], [m for m, k in zip(row_meta, keep.tolist()) if k]
         decision = None
         step = self._pending_scalars[-1][0]
         if recorded and row_meta:
@@ -1358,7 +1369,8 @@ class Session:
         host_rows = table[rows.slots] if rows.slots else np.zeros((0, width))
         host_flags = np.zeros(len(flags))
         if flags:
-            bad = bad_rows(table, rows.dropped)  # per slot, as rows.nonfinite
+            unmeasured = set(np.flatnonzero(np.isnan(table[:, 1])).tolist()) if len(table) else set()
+            bad = bad_rows(table, rows.dropped | unmeasured)  # per slot, as rows.nonfinite (one cut short: none)
             if any(bad):  # else every flag is 0 (most steps)
                 host_flags = np.array([float(any(bad[s] for s in f)) for f in flags])
         host_scalars = []

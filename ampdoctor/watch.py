@@ -956,7 +956,7 @@ class Watch:
         if _WATCHED.get(self.root) is self:
             del _WATCHED[self.root]
 
-    def remove(self) -> None:
+    def remove(self, _exc: BaseException | None = None) -> None:
         """Remove every hook and patch this watch added and, if it was the last watch, flush the
         session's last step and close its trace; otherwise write what the session recorded so far,
         as :meth:`report` does (either way it syncs with the device). Safe to call twice."""
@@ -965,7 +965,7 @@ class Watch:
         if not self.session.closed:
             self.session.settle_boundary()  # this watch's weights of the step that ended last
         self._detach_hooks()
-        self.session.detach(self)
+        self.session.detach(self, _exc)
         self.session.write_out()  # (other watches go on recording: what is recorded so far is readable now)
 
     @property
@@ -981,8 +981,8 @@ class Watch:
     def __enter__(self) -> Watch:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.remove()
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.remove(exc)  # (a crash, Ctrl-C or sys.exit inside the with: the trace says how the run ended)
 
     def __repr__(self) -> str:
         state = "removed" if self._removed else "active"

@@ -1271,3 +1271,58 @@ def test_a_model_trained_in_eval_mode_is_still_recorded(tmp_path):
         train(model, 4)
     acts = TraceReader(tmp_path / "t.sqlite").stats(kind="activation")
     assert {s["step"] for s in acts} == set(range(4)) and len(acts) == 4 * 3
+
+
+@pytest.mark.parametrize("how,status,said", [
+    ("raise", "crashed", "The script raised: RuntimeError: data loader died"),
+    ("ctrl-c", "interrupted", "The run was interrupted (KeyboardInterrupt)"),
+    ("exit", "exited", "The script exited with status 3")])
+def test_a_with_watch_block_ended_by_an_exception_says_how_the_run_ended(tmp_path, how, status, said):
+    """A crash, Ctrl-C or sys.exit(3) inside `with ampdoctor.watch(model):` was stamped finished, and the
+    report said only 'Training did not break in the 3 steps seen'."""
+    from ampdoctor.report import build_report
+    model = _model()
+    exc = {"raise": RuntimeError("data loader died"), "ctrl-c": KeyboardInterrupt(), "exit": SystemExit(3)}[how]
+    with pytest.raises(type(exc)):
+        with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")):
+            train(model, 3)
+            raise exc
+    assert TraceReader(tmp_path / "t.sqlite").meta()["status"] == status
+    assert any(line.startswith(said) for line in build_report(tmp_path / "t.sqlite").diagnosis.lines)
+
+
+def test_a_measurement_cut_short_by_ctrl_c_writes_no_rows_of_nan_counts(tmp_path, monkeypatch):
+    """A Ctrl-C that lands while a step's weight gradients are measured: the step is written as the run ends
+    with its unmeasured rows' NaN counts cast to int64's minimum, false NaN/Inf events, and every report of
+    the trace raised 'integer overflow'. Those rows are left out now."""
+    from ampdoctor import stats as stats_mod
+    from ampdoctor.report import build_report
+    model = _model()
+    orig, state = stats_mod._torch_batch, {"step": 0, "armed": False}
+    orig_add = session_mod.Session.add_param_rows
+
+    def add_param_rows(self, kind, *a, **k):
+        state["armed"] = kind == "weight_grad" and state["step"] == 2
+        try:
+            return orig_add(self, kind, *a, **k)
+        finally:
+            state["armed"] = False
+
+    def batch(ts, fmt):
+        if state["armed"]:
+            raise KeyboardInterrupt
+        return orig(ts, fmt)
+
+    monkeypatch.setattr(session_mod.Session, "add_param_rows", add_param_rows)
+    monkeypatch.setattr(stats_mod, "_torch_batch", batch)
+    w = ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite"))
+    with pytest.raises(KeyboardInterrupt):
+        for i in range(5):
+            state["step"] = i
+            train(model, 1)
+    w.remove()
+    r = TraceReader(tmp_path / "t.sqlite")
+    assert min(min(s["nan"], s["posinf"], s["overflow"]) for s in r.stats()) >= 0
+    assert not [e for e in r.events() if e["kind"] in ("first_nonfinite", "grad_nonfinite")]
+    rep = build_report(tmp_path / "t.sqlite")
+    assert rep.diagnosis.first_nonfinite is None
