@@ -20,6 +20,7 @@ def bad_rows(table: np.ndarray, dropped: set | None = None) -> list[bool]:
     if not len(table):
         return []
     bad = (table[:, 1] != 0) | (table[:, 2] != 0) | (table[:, 3] != 0)
+    bad &= ~np.isnan(table[:, 1])  # a slot never filled (a measurement that failed or was cut short) saw nothing
     if dropped:
         bad[list(dropped)] = False
     return bad.tolist()

@@ -565,27 +565,25 @@ def keep_fp32(module: nn.Module) -> Fp32Handle:
     return Fp32Handle(module)
 
 
-AUTOCAST_TURNED_OFF = [0]  # autocast regions :func:`autocast_off` entered disabled that were enabled
-
-
 @contextlib.contextmanager
-def autocast_off() -> Iterator[None]:
+def autocast_off() -> Iterator[list[int]]:
     """Every ``torch.autocast`` region entered while this is on (``with torch.autocast(...)``, the
     decorator, ``torch.cuda.amp.autocast``) is entered disabled: the script's own code outside its
     modules (a loss computed under autocast) runs in FP32 too. Bisect's control for a run whose layers
-    all in FP32 still break."""
+    all in FP32 still break. Yields ``[n]``: how many enabled regions it turned off (0: the script has none)."""
+    turned = [0]
     ac = torch.amp.autocast_mode.autocast
     original = ac.__enter__
 
     def __enter__(self: Any) -> Any:
         if getattr(self, "_enabled", False):
-            AUTOCAST_TURNED_OFF[0] += 1
+            turned[0] += 1
         self._enabled = False
         return original(self)
 
     ac.__enter__ = __enter__
     try:
-        yield
+        yield turned
     finally:
         if ac.__enter__ is __enter__:
             ac.__enter__ = original

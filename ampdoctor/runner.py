@@ -201,6 +201,7 @@ def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig
     sys.argv = [str(path), *args]
     sys.path.insert(0, str(path.parent))
     real_exit, pid = os._exit, os.getpid()
+    turned_off: list[int] | None = None  # (bisect's autocast-off control: the regions it turned off)
     done: list[ScriptResult] = []
 
     def finish(status: str, code: int, err: str | None = None, tb: str | None = None,
@@ -223,9 +224,8 @@ def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig
         extra = {"error": err} if err else {}
         if stop_reason:
             extra["stop_reason"] = stop_reason
-        if config.autocast_off:  # how many autocast regions the control ran disabled (0: the script has none)
-            from .precision import AUTOCAST_TURNED_OFF
-            extra["autocast_turned_off"] = AUTOCAST_TURNED_OFF[0] - turned_off
+        if turned_off is not None:  # how many autocast regions the control ran disabled (0: the script has none)
+            extra["autocast_turned_off"] = turned_off[0]
         session.close(status={"finished": "finished", "stopped": "finished"}.get(status, status), exit_code=code, **extra)
         steps = max(steps, session.step)
         decision = decision if decision is not None else session.decision
@@ -261,11 +261,9 @@ def run_script(script: str | os.PathLike, args: Sequence[str], config: RunConfig
         term_prev = signal.signal(signal.SIGTERM, _raise_terminated)
     thread_stop = _ThreadStop()  # --max-steps / a decided trial reached in a thread the script started
     no_autocast = contextlib.ExitStack()
-    turned_off = 0
     if config.autocast_off:  # (bisect's control: the script's own code under autocast in FP32 too)
-        from .precision import AUTOCAST_TURNED_OFF, autocast_off
-        no_autocast.enter_context(autocast_off())
-        turned_off = AUTOCAST_TURNED_OFF[0]
+        from .precision import autocast_off
+        turned_off = no_autocast.enter_context(autocast_off())
     try:
         runpy.run_path(str(path), run_name="__main__")
         thread_stop.check()

@@ -148,6 +148,16 @@ def _training_thread_only(method: Any) -> Any:
     return wrapper
 
 
+
+def _measured(meta: list, host_rows: np.ndarray) -> tuple[list, np.ndarray]:
+    """The rows of the slots that were measured: one that a failed measurement (or one a Ctrl-C cut short,
+    the step then written as the run ends) never filled holds NaN, and gets no row (its NaN counts would
+    be cast to int64's minimum)."""
+    if not len(meta) or not np.isnan(host_rows[:, 1]).any():
+        return meta, host_rows
+    keep = ~np.isnan(host_rows[:, 1])
+    return [m for m, k in zip(meta, keep.tolist()) if k], host_rows[keep]
+
 class Session:
     """One per process. Created by the first ``watch()`` (or by the CLI runner)."""
 
@@ -1026,9 +1036,8 @@ class Session:
             host_rows, host_flags, _ = self._to_host(rows, flags)
         finally:
             self._pending_scalars = saved
-        keep = [i for i, m in enumerate(rows.meta) if m[1] != "weight" and host_rows[i, 1] == host_rows[i, 1]]  # (NaN:
-        meta = [rows.meta[i] for i in keep]  # a slot never measured, see add_stat_rows)
-        host_rows = host_rows[keep]
+        keep = [i for i, m in enumerate(rows.meta) if m[1] != "weight"]
+        meta, host_rows = _measured([rows.meta[i] for i in keep], host_rows[keep])
         if meta:
             self.writer.add_stat_rows(self.step, meta, host_rows, _stats.N_FIELDS)
         self.attribution.observe(self.step, meta, host_rows, flag_meta, host_flags, self._scaled_loss_active)
@@ -1206,9 +1215,7 @@ class Session:
 
     def _flush(self, rows: list, row_meta: list, flags: list, flag_meta: list, recorded: bool) -> Any:
         host_rows, host_flags, host_scalars = self._to_host(rows, flags)
-        if len(row_meta) and np.isnan(host_rows[:, 1]).any():  # slots never measured (a measurement a Ctrl-C cut
-            keep = ~np.isnan(host_rows[:, 1])  # short, written as the run ends): no row, no NaN/Inf seen in them
-            host_rows, row_meta = host_rows[keep], [m for m, k in zip(row_meta, keep.tolist()) if k]
+        row_meta, host_rows = _measured(row_meta, host_rows)
         decision = None
         step = self._pending_scalars[-1][0]
         if recorded and row_meta:
@@ -1369,8 +1376,7 @@ class Session:
         host_rows = table[rows.slots] if rows.slots else np.zeros((0, width))
         host_flags = np.zeros(len(flags))
         if flags:
-            unmeasured = set(np.flatnonzero(np.isnan(table[:, 1])).tolist()) if len(table) else set()
-            bad = bad_rows(table, rows.dropped | unmeasured)  # per slot, as rows.nonfinite (one cut short: none)
+            bad = bad_rows(table, rows.dropped)  # per slot, as rows.nonfinite
             if any(bad):  # else every flag is 0 (most steps)
                 host_flags = np.array([float(any(bad[s] for s in f)) for f in flags])
         host_scalars = []

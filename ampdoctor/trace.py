@@ -454,14 +454,8 @@ class TraceWriter:
     def add_stat_rows(self, step: int, row_meta: Sequence, host_rows: np.ndarray, n_fields: int) -> None:
         """A step's statistics rows (see :func:`stat_rows`), built by whoever writes them: the
         writer process, or the writer thread, not the caller."""
-        host = np.ascontiguousarray(host_rows, dtype=np.float64)
-        if len(row_meta) and np.isnan(host[:, 1]).any():
-            # slots never measured (a measurement that failed, or that a Ctrl-C cut short, the step written as the
-            # run ends): no row, rather than counts of NaN cast to int64's minimum (the report's sums overflowed)
-            keep = ~np.isnan(host[:, 1])
-            host, row_meta = host[keep], [m for m, k in zip(row_meta, keep.tolist()) if k]
         if len(row_meta):
-            self._put(_STAT_ROWS, [(step, list(row_meta), host, n_fields)])
+            self._put(_STAT_ROWS, [(step, list(row_meta), np.ascontiguousarray(host_rows, dtype=np.float64), n_fields)])
 
     def add_step(self, row: Sequence) -> None:
         row = list(row)

@@ -67,10 +67,8 @@ class InProcessRunner(TrialRunner):
         status, err, decision, code = "finished", None, None, 0
         no_autocast = contextlib.ExitStack()
         if autocast_off:
-            from ..precision import AUTOCAST_TURNED_OFF
             from ..precision import autocast_off as _off
-            no_autocast.enter_context(_off())
-            turned_off = AUTOCAST_TURNED_OFF[0]
+            turned_off = no_autocast.enter_context(_off())
         try:
             self.train_fn()
         except StopRun as e:
@@ -89,7 +87,7 @@ class InProcessRunner(TrialRunner):
             steps = session.step
             extra = {"exit_code": code} if code else {}
             if autocast_off:
-                extra["autocast_turned_off"] = AUTOCAST_TURNED_OFF[0] - turned_off
+                extra["autocast_turned_off"] = turned_off[0]
             session.close(status=status if status in ("crashed", "exited") else "finished", **extra)
             no_autocast.close()
             decision = decision or session.decision

@@ -420,16 +420,14 @@ def _bisect(opts: BisectOptions, emit: Callable[[str, dict], None], runner: Tria
                 turned = TraceReader(Path(off.folder) / "trace.sqlite").meta().get("autocast_turned_off")
             except Exception:  # noqa: BLE001 - no trace: the trial's outcome says what happened
                 turned = None
-            if turned == 0:  # the script enters no autocast: the control above said it all
-                pass
-            elif off.outcome == "pass":
-                result["autocast_off_control"] = "pass"
-                result["advice"] = outside_model_advice(bl.first_nonfinite)
-                notes.append("with autocast off in the whole script (every layer in FP32 too) it trains: the script's "
-                             "own code under autocast makes the NaN/Inf, outside the model")
-            elif off.outcome == "fail":
-                result["autocast_off_control"] = "fail"
-                notes.append(f"with autocast off in the whole script it fails too: {off.reason} at step {off.step}")
+            if turned != 0 and off.outcome in ("pass", "fail"):  # (0: the script enters no autocast, nothing to add)
+                result["autocast_off_control"] = off.outcome
+                if off.outcome == "pass":
+                    result["advice"] = outside_model_advice(bl.first_nonfinite)
+                    notes.append("with autocast off in the whole script (every layer in FP32 too) it trains: the "
+                                 "script's own code under autocast makes the NaN/Inf, outside the model")
+                else:
+                    notes.append(f"with autocast off in the whole script it fails too: {off.reason} at step {off.step}")
     if sr.verdict != "culprit":
         extra: dict[str, Any] = {"notes": notes}
         if sr.verdict == "inconclusive":
