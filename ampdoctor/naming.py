@@ -83,15 +83,30 @@ def half_weights_under(name: str, half_weights: Mapping[str, str]) -> str | None
                  if name in ("", "(root)") or n == name or n.startswith(name + ".")), None)
 
 
-def plain_fix(path: str, half: str | None, kind: str | None = None, library: bool = True) -> str:
+def model_half(weight_dtypes) -> str | None:
+    """The dtype of a pure ``.half()``/``.bfloat16()`` model (no autocast): where every weight recorded
+    (``weight_dtypes``, one per weight) is that one float16/bfloat16 dtype; else None."""
+    dts = set(weight_dtypes)
+    return next(iter(dts)) if len(dts) == 1 and dts <= {"float16", "bfloat16"} else None
+
+
+def plain_fix(path: str, half: str | None, kind: str | None = None, library: bool = True,
+              model_dtype: str | None = None) -> str:
     """The plain-PyTorch equivalent of ``keep_fp32`` for the module at ``path``: autocast off around its
     call on an FP32 input; where its weights are stored in ``half`` precision (no autocast to turn off),
-    the module converted to FP32 once and its input and output cast where it is called. ``library``:
-    whether ``kind`` is a torch.nn class (else the body of its forward is what to change)."""
+    the module converted to FP32 once and its input and output cast where it is called; where it has no
+    such weights but the whole model is ``model_dtype`` (a pure half model: :func:`model_half`), its input
+    and output cast. ``library``: whether ``kind`` is a torch.nn class (else the body of its forward is
+    what to change)."""
     if half:
         return (f"its weights are {half}, so there is no autocast to turn off: `{path}.float()` once (before "
                 f"building the optimizer), and where it is called `y = {path}(x.float()).to(x.dtype)` (a weight tied "
                 "to another module's, as an LM head's to the embedding, would turn FP32 for both: keep_fp32 keeps the tie)")
+    if model_dtype:
+        where = (f"where {path} is called, `y = {path}(x.float()).to(x.dtype)`" if library or kind is None else
+                 f"in {kind}.forward, begin with `dtype, x = x.dtype, x.float()` and return the result `.to(dtype)`")
+        return (f"the model is {model_dtype} with no autocast to turn off: {where} (an output beyond {model_dtype}'s "
+                "range overflows again at that cast: the layers after it need FP32 too)")
     if library or kind is None:
         return f"where {path} is called, `with torch.autocast(x.device.type, enabled=False): y = {path}(x.float())`"
     return (f"in {kind}.forward, run the body under `with torch.autocast(x.device.type, enabled=False):` on "

@@ -1040,3 +1040,37 @@ def test_a_collapsed_scale_does_not_recommend_an_init_scale_as_a_fix(tmp_path, c
     assert "Recommended `torch.amp.GradScaler(init_scale=" in text, text
     assert ("once the Inf/NaN above is fixed (no loss scale fixes it)" in text) == collapse, text
     assert ("Loss scale: static" in text) != collapse, text
+
+
+def test_fix_of_a_weightless_layer_of_a_pure_half_model_does_not_turn_autocast_off(tmp_path):
+    """A layer with no weights (a gate ``x * x * 300``) in a pure ``.half()`` model: its plain-PyTorch fix said
+    "in Gate.forward, run the body under `with torch.autocast(x.device.type, enabled=False):`" (there is no
+    autocast), as did the HTML fix section. It says to compute on a float32 input and cast the result back."""
+    import torch
+    from torch import nn
+
+    import ampdoctor
+    from ampdoctor.report.html import render_html
+
+    class Gate(nn.Module):
+        def forward(self, x):
+            return x * x * 300.0
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), Gate(), nn.Linear(8, 1)).half()
+    opt = torch.optim.SGD(model.parameters(), 1e-3)
+    with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")):
+        for _ in range(3):
+            loss = model(torch.randn(16, 8).half() * 30).float().pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    report = build_report(tmp_path / "t.sqlite")
+    assert (report.diagnosis.first_nonfinite or {}).get("layer") == "1", report.diagnosis
+    fix = next(a for a in report.advice if "keep_fp32(model[1])" in a)
+    assert "autocast(" not in fix and "the model is float16 with no autocast to turn off" in fix, fix
+    assert "in Gate.forward, begin with `dtype, x = x.dtype, x.float()` and return the result `.to(dtype)`" in fix, fix
+    page = render_html(report)
+    section = page[page.index('id="fix"'):]
+    section = section[:section.index("</section>")]
+    assert "enabled=False" not in section and "y = model[1](x.float()).to(x.dtype)" in section, section

@@ -408,6 +408,13 @@ def test_fix_snippets_for_autocast_and_pure_half_models():
     plain = [a for a in half if a.startswith("Plain PyTorch")]
     assert len(plain) == 2 and all("autocast(" not in a and ".float()" in a for a in plain), plain
     assert "float16" in plain[0] and "bfloat16" in plain[1] and "model.head(x.float()).to(x.dtype)" in plain[0]
+    # a module of a pure half model with no half weights of its own (a gate): no autocast to turn off either
+    # (it said "run the body under `with torch.autocast(x.device.type, enabled=False):`")
+    gate = fix_snippets(["blocks.0", "act"], {**types, "act": "GELU"}, [], {"head": "float16"}, model_dtype="float16")
+    plain = [a for a in gate if a.startswith("Plain PyTorch")]
+    assert len(plain) == 2 and all("autocast(" not in a and "float16 with no autocast" in a for a in plain), plain
+    assert "in Block.forward, begin with `dtype, x = x.dtype, x.float()` and return the result `.to(dtype)`" in plain[0]
+    assert "where model.act is called, `y = model.act(x.float()).to(x.dtype)`" in plain[1], plain
     # what `model` is (the watched root's class), before the snippet, which still ends the line
     named = fix_snippets(["head"], {**types, "": "Net"}, [])
     assert named[0] == "Keep head (Linear) in FP32 (`model`: your Net object): ampdoctor.keep_fp32(model.head)", named
@@ -663,6 +670,7 @@ def test_horizons_are_the_steps_run_when_the_script_ends_before_them(tmp_path):
     passed = [t["step"] for t in res["trials"] if t["outcome"] == "pass"]
     assert passed and set(passed) == {22}, res["trials"]
     assert (res["pass_after"], res["control_pass_after"]) == (22, 22), res
+    assert not any(t.get("confirm") for t in res["trials"]) and "confirmed_to" not in res, res  # nothing further to run
     (note,) = [n for n in res["notes"] if n.startswith("the script ended after 22 steps")]
     assert "before step 27 (the failure step plus the margin)" in note and "control's step 54" in note, note
     assert "note: the script ended after 22 steps" in r.stdout, r.stdout
@@ -671,6 +679,28 @@ def test_horizons_are_the_steps_run_when_the_script_ends_before_them(tmp_path):
     res = json.loads((tmp_path / "c" / "bisect.json").read_text())
     assert (res["pass_after"], res["control_pass_after"]) == (27, 54), res
     assert not any(n.startswith("the script ended") for n in res.get("notes", [])), res["notes"]
+    # the culprit is run as far as the all-FP32 control: it holds there
+    assert [(t["fp32"], t["outcome"], t["step"]) for t in res["trials"] if t.get("confirm")] == [(["net.2"], "pass", 54)]
+    assert res["confirmed_to"] == 54, res
+
+
+def test_a_second_overflow_after_the_trials_horizon_is_found_too(tmp_path):
+    """Two ramps overflow, 0.0 from step 11 and 0.3 from step 23. Trials pass at step 16 (the failure step plus
+    the margin), so forcing 0.0 alone passed, and bisect named 0.0 alone: the run with that fix broke at step 23.
+    The culprits found are now run as far as the all-FP32 control (step 32); that run fails, so the search runs
+    again with every trial run to step 32, and finds both."""
+    r = bisect("--out", tmp_path / "b", SCRIPTS / "second_overflow_later.py")
+    assert r.returncode == 0, r.stdout + r.stderr
+    res = json.loads((tmp_path / "b" / "bisect.json").read_text())
+    assert res["verdict"] == "culprit" and res["culprits"] == ["0.0", "0.3"], res
+    assert [(t["fp32"], t["outcome"], t["step"]) for t in res["trials"] if t.get("confirm")] == [(["0.0"], "fail", 23)]
+    assert (res["pass_after"], res["control_pass_after"], res["confirmed_to"]) == (32, 32, 32), res
+    assert ["0.0", "0.3"] in [t["fp32"] for t in res["trials"] if t["outcome"] == "pass" and t["step"] == 32]
+    (note,) = [n for n in res["notes"] if n.startswith("with 0.0 in FP32")]
+    assert "passed step 16 but broke at step 23" in note and "every trial run to step 32" in note, note
+    assert "confirm, as far as the all-FP32 control" in r.stderr, r.stderr
+    first = {o["layer"]: o["op"] for o in res["ops"] if o["pick"] == "first"}
+    assert first == {"0.0": "mul", "0.3": "mul"}, res["ops"]
 
 
 def test_a_bf16_script_is_bisected_against_bf16(tmp_path):

@@ -70,7 +70,10 @@ def test_hints_skip_the_layers_that_pass_the_first_nan_along(tmp_path):
     assert res["first_nonfinite"] == {"layer": "a.1", "kind": "activation", "step": 3}, res
     tried_alone = {t["fp32"][0] for t in res["trials"] if len(t["fp32"]) == 1}
     assert not tried_alone & {"a.2", "a.3", "a", "head", "head.0", "head.1", "head.2"}, res["trials"]
-    assert len(res["trials"]) == 10, [(t["fp32"], t["outcome"]) for t in res["trials"]]
+    search = [t for t in res["trials"] if not t.get("confirm")]
+    assert len(search) == 10, [(t["fp32"], t["outcome"]) for t in res["trials"]]
+    # and one more: the culprits run as far as the all-FP32 control
+    assert [(t["fp32"], t["outcome"]) for t in res["trials"] if t.get("confirm")] == [(["a.1", "b.1"], "pass")]
     assert read_baseline(tmp_path / "trials" / "00-baseline" / "trace.sqlite").hints == ["a.1"]
 
 

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..naming import split_owner, wrapper_of
+from ..naming import model_half, split_owner, wrapper_of
 from ..report.model import loss_made_first, startup_backoffs
 from ..trace import TraceReader
 
@@ -20,6 +20,7 @@ class Baseline:
     types: dict[str, str] = field(default_factory=dict)
     half_weights: dict[str, str] = field(default_factory=dict)  # layer -> dtype of its float16/bfloat16 weights
     wrapper: str | None = None  # the DDP/FSDP/DataParallel class the model ran in (names are inside it)
+    model_dtype: str | None = None  # a pure .half()/.bfloat16() model's dtype (naming.model_half)
 
 
 def _parent_of(name: str, names: set[str]) -> str | None:
@@ -179,4 +180,4 @@ def read_baseline(trace: str | Path, failure_step: int | None = None, reason: st
     half = {by_id[s["layer"]]["name"]: s["dtype"] for s in weights
             if s["dtype"] in ("float16", "bfloat16") and s["layer"] in by_id}
     return Baseline(candidates=cands, parent=parent, hints=hints, first_nonfinite=first, types=types,
-                    half_weights=half, wrapper=wrapper)
+                    half_weights=half, wrapper=wrapper, model_dtype=model_half(s["dtype"] for s in weights))

@@ -34,6 +34,8 @@ def _progress(kind: str, info: dict) -> None:
     elif kind == "trial":
         t = info["trial"]
         forced = (", ".join(map(_shown, t.fp32)) or "nothing") + ("; autocast off" if not getattr(t, "autocast", True) else "")
+        if t.name == "confirm":  # the culprits found, run as far as the all-FP32 control
+            forced += "; confirm, as far as the all-FP32 control"
         what = t.outcome + (f" at step {t.step} ({t.reason})" if t.outcome == "fail" else "")
         if t.outcome in ("error", "timeout") and t.error:
             what += f": {t.error}"

@@ -214,7 +214,8 @@ def outside_model_advice(first: dict | None) -> list[str]:
 
 
 def fix_snippets(culprits: Sequence[str], types: dict[str, str], ops: list[dict],
-                 half_weights: dict[str, str] | None = None, wrapper: str | None = None) -> list[str]:
+                 half_weights: dict[str, str] | None = None, wrapper: str | None = None,
+                 model_dtype: str | None = None) -> list[str]:
     """The fix for each culprit (``keep_fp32`` and its plain-PyTorch equivalent: autocast off around
     it, or, where its weights are stored in half precision (``half_weights``: a pure ``.half()``
     model, no autocast to turn off), the module in FP32 with its input and output cast), and what
@@ -226,7 +227,8 @@ def fix_snippets(culprits: Sequence[str], types: dict[str, str], ops: list[dict]
         kind = types.get(c, "module")
         advice.append(f"Keep {c or 'the whole model'} ({kind}) in FP32{root_hint([c], types, wrapper)}: "
                       f"ampdoctor.keep_fp32({path})" + wrapped_hint(wrapper))
-        advice.append("Plain PyTorch: " + plain_fix(path, half_weights_under(c, half_weights), kind, is_torch_module(kind)))
+        advice.append("Plain PyTorch: " + plain_fix(path, half_weights_under(c, half_weights), kind, is_torch_module(kind),
+                                                model_dtype))
     for o in ops:
         if o.get("pick") != "first":
             continue
@@ -397,17 +399,26 @@ def _bisect(opts: BisectOptions, emit: Callable[[str, dict], None], runner: Tria
             known[frozenset(t.fp32)] = [t.outcome]  # one run: with --repeat R the search runs the rest
     cache_runs = {"n": 0}
 
+    horizon = {"pass_after": pass_after}  # what the search's trials run to (raised when the confirm fails)
+
     def test(fp32: frozenset) -> str:
         order = [n for n in bl.candidates if n in fp32]
         cache_runs["n"] += 1
         name = "all-fp32" if fp32 == root_set else ("+".join(n or "root" for n in order)[:60] or "none")
-        kw = control if fp32 == root_set else {"pass_after": pass_after}
+        kw = control if fp32 == root_set else {"pass_after": horizon["pass_after"]}
         t = record(runner.run(name.replace("/", "_"), order, lite=True, **kw))
         return t.outcome
 
-    sr = find_culprits(bl.candidates, test, parent=bl.parent, hints=hints, repeat=opts.repeat,
-                       known=known, max_trials=opts.max_trials, spent=spent)
-    notes = base_notes + list(sr.notes)
+    def search(known: dict, spent: int, after: int, hints: Sequence[str]) -> Any:
+        horizon["pass_after"] = after
+        return find_culprits(bl.candidates, test, parent=bl.parent, hints=hints, repeat=opts.repeat,
+                             known=known, max_trials=opts.max_trials, spent=spent)
+
+    sr = search(known, spent, pass_after, hints)
+    confirm_notes: list[str] = []
+    if sr.verdict == "culprit":
+        sr, confirm_notes = _confirm(sr, opts, runner, record, search, root_set, pass_after, control_after, result)
+    notes = base_notes + list(sr.notes) + confirm_notes
     if sr.verdict == "not_precision":
         ctl = next((t for t in runner.trials if t.name == "all-fp32"), None)
         notes += _control_notes(ctl, opts) if ctl is not None else []
@@ -465,7 +476,7 @@ def _bisect(opts: BisectOptions, emit: Callable[[str, dict], None], runner: Tria
         ops += own
     result["ops"] = ops
     result["advice"] = (own_code_advice(bl, own_root, culprits, own[:1]) + loss_advice(bl.first_nonfinite, culprits)
-                        + fix_snippets(culprits, bl.types, ops, bl.half_weights, bl.wrapper))
+                        + fix_snippets(culprits, bl.types, ops, bl.half_weights, bl.wrapper, bl.model_dtype))
     if opts.drill:
         for probed, trace in drills:
             result["advice"] += _came_in_too_large(trace, probed, opts.fmt)
@@ -477,6 +488,51 @@ def _bisect(opts: BisectOptions, emit: Callable[[str, dict], None], runner: Tria
     return finish("culprit", notes=notes)
 
 
+def _confirm(sr: Any, opts: BisectOptions, runner: TrialRunner, record: Callable[[Trial], Trial],
+             search: Callable[..., Any], root_set: frozenset, pass_after: int, control_after: int,
+             result: dict) -> tuple[Any, list[str]]:
+    """Run the culprits found (verified by trials that stop at ``pass_after``) as far as the all-FP32 control
+    ran (``control_after``): an overflow elsewhere that starts after ``pass_after`` shows there. Where that
+    trial fails, search again with every trial run to ``control_after`` (the sets that failed before still
+    fail, the control passed there) and return that search's result, with the notes to add."""
+    culprits = list(sr.culprits)
+
+    def searched() -> int:  # the trials the search budget (--max-trials) counts
+        return sum(not t.name.startswith(("baseline", "fp32-reference")) for t in runner.trials)
+
+    passed = [t for t in runner.trials if t.outcome == "pass" and sorted(t.fp32) == sorted(culprits) and t.autocast]
+    if control_after <= pass_after or max((t.step or t.steps or 0 for t in passed), default=0) < pass_after:
+        return sr, []  # capped by --max-steps, or the script ends before pass_after: nothing further to run
+    if opts.max_trials is not None and searched() >= opts.max_trials:
+        return sr, [f"the culprits are verified to step {pass_after} only: --max-trials {opts.max_trials} left no "
+                    f"trial to run them to step {control_after}"]
+    t = record(runner.run("confirm", culprits, lite=True, pass_after=control_after))
+    shown = ", ".join(c or "the whole model" for c in culprits)
+    if t.outcome == "pass":
+        result["confirmed_to"] = t.step or t.steps or control_after
+        return sr, []
+    if t.outcome != "fail":
+        return sr, [f"the run with {shown} in FP32 to step {control_after} (as far as the all-FP32 control) ended in "
+                    f"{t.outcome}{': ' + t.error if t.error else ''}: the culprits are verified to step {pass_after} only"]
+    note = (f"with {shown} in FP32 the run passed step {pass_after} but broke at step {t.step} ({t.reason}) when run "
+            f"to step {control_after}: searched again with every trial run to step {control_after}")
+    # a set that failed by pass_after fails by control_after too (the same steps, run further); the all-FP32
+    # control ran to control_after and passed
+    runs: dict[frozenset, list[str]] = {}
+    for tr in sr.trials:
+        runs.setdefault(tr.fp32, []).append(tr.outcome)
+    known: dict[frozenset, Any] = {s: "fail" for s, o in runs.items() if all(x == "fail" for x in o)}
+    known.update({frozenset(): "fail", frozenset(culprits): "fail", root_set: "pass"})
+    again = search(known, searched(), control_after, [])
+    if again.verdict == "culprit":
+        result["pass_after"] = control_after
+        result["confirmed_to"] = control_after
+        return again, [note]
+    if again.verdict == "inconclusive" and not again.suspects:
+        again.suspects = culprits
+    return again, [note, f"{shown} in FP32 passes step {pass_after}, not step {control_after}"]
+
+
 def _script_end_notes(result: dict, runner: TrialRunner) -> list[str]:
     """Where the script ended before a passing trial reached its horizon (``pass_after``, or the control's
     ``control_pass_after``), the trials were checked up to the script's end only: the horizons in
@@ -484,7 +540,8 @@ def _script_end_notes(result: dict, runner: TrialRunner) -> list[str]:
     short = []
     for key, control in (("pass_after", False), ("control_pass_after", True)):
         horizon = result.get(key)
-        ran = [t.step or t.steps for t in runner.trials if t.outcome == "pass" and (t.name == "all-fp32") == control
+        ran = [t.step or t.steps for t in runner.trials if t.outcome == "pass"
+               and (t.name in ("all-fp32", "confirm")) == control
                and not t.name.startswith(("baseline", "fp32-reference", "drill-down"))]
         if horizon is None or not ran or max(ran) >= horizon:
             continue

@@ -54,6 +54,8 @@ class Trial:
         out = {"fp32": list(self.fp32), "outcome": self.outcome, "step": self.step, "seconds": round(self.seconds, 3)}
         if not self.autocast:
             out["autocast"] = False
+        if self.name == "confirm":  # the culprits found, run as far as the all-FP32 control (driver._confirm)
+            out["confirm"] = True
         return out
 
 

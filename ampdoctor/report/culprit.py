@@ -6,7 +6,15 @@ from __future__ import annotations
 
 import math
 
-from ..naming import half_weights_under, is_torch_module, plain_fix, root_hint, wrapped_hint, wrapper_of
+from ..naming import (
+    half_weights_under,
+    is_torch_module,
+    model_half,
+    plain_fix,
+    root_hint,
+    wrapped_hint,
+    wrapper_of,
+)
 from ..trace import TraceReader
 from .model import LayerRow, Report, grew_tenfold, startup_backoffs
 from .phrasing import fmt_num, module_expr, shown_layer
@@ -176,7 +184,8 @@ def culprit_advice(report: Report, growth_said: bool = False) -> list[str]:
              + wrapped_hint(wrapper_of(report.notes))
              + " — or in plain PyTorch: " + "; ".join(
                  plain_fix(module_expr(n, types=report.module_types), half_weights_under(n, half_weights(report)),
-                           report.module_types.get(n), is_torch_module(report.module_types.get(n)))
+                           report.module_types.get(n), is_torch_module(report.module_types.get(n)),
+                           model_half(r.dtype for r in report.rows("weight")))
                  for n in names)]
     weights = [w for n in names for w in _weights_beyond(report, n)]
     if source == "first_nonfinite":
