@@ -1425,6 +1425,7 @@ class Session:
             # optimizer step, as Lightning's training_step called through DDP)
             if self._row_meta or self._worked:
                 last_write(self._partial_step, "the last step")
+                meta["last_step_partial"] = True  # (the report: the last step counted ended before its boundary)
             if self._pending_scalars:  # steps not recorded since the last write (every > 1)
                 last_write(lambda: self._flush_soon(StepRows(self._row_policy), [], [], [], False), "the last steps")
         finally:

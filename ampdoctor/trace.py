@@ -179,6 +179,23 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
+def _ancestor(pid: int) -> bool:
+    """Whether process ``pid`` started this one (its parent, or further up: a DataLoader worker spawned by
+    the training process re-runs the script's ``watch()``)."""
+    here = os.getppid()
+    for _ in range(16):
+        if here == pid:
+            return True
+        if here <= 1:
+            return False
+        try:  # Linux: the parent's parent, from /proc (elsewhere only the parent is known)
+            with open(f"/proc/{here}/stat", "rb") as f:
+                here = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+    return False
+
+
 def _uri(path: Path, flag: str) -> str:
     return f"file:{urllib.parse.quote(str(path.resolve()))}?{flag}"
 
@@ -305,9 +322,13 @@ def _discard_old_trace(path: Path) -> None:
         if meta is None:
             raise ValueError(f"{trace_problem(path) or path}; pass another trace path")
         pid = live_writer(meta)
-        if pid is not None:
-            log.warning("ampdoctor trace: %s is being written by process %d; adding to it", path, pid)
+        if pid is not None and _ancestor(pid):
+            log.info("ampdoctor trace: %s is being written by process %d, which started this one; adding to it",
+                     path, pid)
             return
+        if pid is not None:  # another run, going on: its steps and this one's would mix in one trace
+            raise TraceUnwritable(f"{path} is the trace of a run still going on (process {pid} writes it): give "
+                                  "watch(trace=...) (or --out) another path, or wait until that run ends")
     for suffix in ("", "-wal", "-shm"):
         try:
             Path(f"{path}{suffix}").unlink()
@@ -417,6 +438,8 @@ class TraceWriter:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             _discard_old_trace(self.path)
             con = _connect(self.path)
+        except TraceUnwritable:
+            raise
         except (OSError, sqlite3.Error) as e:
             raise TraceUnwritable(f"cannot write the trace at {self.path} ({type(e).__name__}: {e}): give "
                                   "watch(trace=...) (or --out) a path in a folder this process can write") from e

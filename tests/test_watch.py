@@ -1291,6 +1291,32 @@ def test_a_with_watch_block_ended_by_an_exception_says_how_the_run_ended(tmp_pat
     assert any(line.startswith(said) for line in build_report(tmp_path / "t.sqlite").diagnosis.lines)
 
 
+def test_a_step_cut_short_by_a_crash_is_counted_as_cut_short(tmp_path):
+    """A crash after the forward of step 3: the report said 'Training did not break in the 4 steps seen' where
+    `ampdoctor run` said 3 completed; the count now says the last one was cut short. A run that ends at a
+    step boundary says nothing of the kind."""
+    from ampdoctor.report import build_report
+    from ampdoctor.report.html import render_html
+    from ampdoctor.report.text import render_text
+    model = _model()
+    with pytest.raises(RuntimeError):
+        with ampdoctor.watch(model, trace=str(tmp_path / "t.sqlite")):
+            train(model, 3)
+            model(torch.randn(4, 8))
+            raise RuntimeError("data loader died")
+    assert TraceReader(tmp_path / "t.sqlite").meta()["last_step_partial"] is True
+    rep = build_report(tmp_path / "t.sqlite")
+    said = "4 steps seen (the last cut short by the crash: 3 completed)"
+    assert rep.diagnosis.lines[0] == f"Training did not break in the {said}.", rep.diagnosis.lines
+    assert "4 steps (the last cut short by the crash: 3 completed), 3 optimizer steps" in render_text(rep, width=400)
+    assert said in render_html(rep)
+    model = _model()
+    with ampdoctor.watch(model, trace=str(tmp_path / "u.sqlite")):
+        train(model, 3)
+    assert "last_step_partial" not in TraceReader(tmp_path / "u.sqlite").meta()
+    assert build_report(tmp_path / "u.sqlite").diagnosis.lines[0] == "Training did not break in the 3 steps seen."
+
+
 def test_a_measurement_cut_short_by_ctrl_c_writes_no_rows_of_nan_counts(tmp_path, monkeypatch):
     """A Ctrl-C that lands while a step's weight gradients are measured: the step is written as the run ends
     with its unmeasured rows' NaN counts cast to int64's minimum, false NaN/Inf events, and every report of

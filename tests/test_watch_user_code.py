@@ -513,3 +513,36 @@ def test_a_trace_path_that_cannot_be_written_is_named(tmp_path):
         model(torch.randn(3, 2)).sum().backward()
     assert w.trace_path == str(tmp_path / "ok.sqlite") or str(w.trace_path) == str(tmp_path / "ok.sqlite")
     assert TraceReader(tmp_path / "ok.sqlite").stats()
+
+
+def test_a_trace_another_live_run_writes_is_refused(tmp_path):
+    """A second, separate script's watch(trace=) at the trace of a run still going on added its steps to
+    that run's (a warning nobody saw: ampdoctor's logger has no handler). It is refused with the path and
+    what to do; a trace whose run ended is replaced, as before."""
+    from ampdoctor.trace import TraceUnwritable
+
+    trace = tmp_path / "t.sqlite"
+    code = textwrap.dedent(f"""
+        import sys, time, torch, ampdoctor
+        m = torch.nn.Linear(2, 2)
+        w = ampdoctor.watch(m, trace={str(trace)!r})
+        m(torch.randn(3, 2)).sum().backward()
+        print("ready", flush=True)
+        sys.stdin.readline()
+        w.remove()
+    """)
+    other = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "ready"
+        model = nn.Linear(2, 2)
+        with pytest.raises(TraceUnwritable, match=rf"{trace} is the trace of a run still going on \(process "
+                                                  rf"{other.pid} writes it\): give watch\(trace=\.\.\.\)"):
+            ampdoctor.watch(model, trace=str(trace))
+    finally:
+        other.communicate("\n", timeout=60)
+    assert TraceReader(trace).meta()["pid"] == other.pid  # its trace, untouched
+    # once that run has ended, its trace is replaced, as any old trace is
+    model = nn.Linear(2, 2)
+    with ampdoctor.watch(model, trace=str(trace)):
+        model(torch.randn(3, 2)).sum().backward()
+    assert TraceReader(trace).meta()["pid"] != other.pid

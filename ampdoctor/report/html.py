@@ -131,10 +131,10 @@ def _diagnosis(report: Report, ready: dict | None) -> str:
         badge = f'<span class="badge broke">broke at step {_e(d.step)}</span>{_e(d.reason or "")}'
         title = "Diagnosis"
     else:
-        badge = f'<span class="badge healthy">did not break</span>{_e(plural(d.steps_seen, "step"))} seen'
+        badge = f'<span class="badge healthy">did not break</span>{_e(plural(d.steps_seen, "step"))} seen{_e(d.steps_note)}'
         title = "Diagnosis"
     rng = (f"{fmt.name}: max {fmt.max:.6g}, smallest normal {fmt.smallest_normal:.3g}, smallest subnormal "
-           f"{fmt.smallest_subnormal:.3g}; {plural(d.steps_seen, 'step')}, "
+           f"{fmt.smallest_subnormal:.3g}; {d.steps_said()}, "
            f"{plural(d.optimizer_steps, 'optimizer step')}, "
            f"{d.skipped_steps} skipped")
     return _section("diagnosis", title, f"<p>{badge}</p>{_ul(d.lines)}<p class=\"muted\">{_e(rng)}</p>")

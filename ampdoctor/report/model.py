@@ -102,6 +102,11 @@ class Diagnosis:
     optimizer_steps: int
     skipped_steps: int
     first_loss_nonfinite: int | None
+    steps_note: str = ""  # after the steps count: the last one was cut short ("" if it ended at its boundary)
+
+    def steps_said(self) -> str:
+        """"6 steps", with what the last one was where it ended before its boundary."""
+        return plural(self.steps_seen, "step") + self.steps_note
 
 
 @dataclass
@@ -412,15 +417,15 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
                    "took: a divergence that broke the GradScaler, not an overflow a loss scale fixes")
         lines.append(f"Training broke at step {decision.step}: {how}.")
     elif stuck:
-        lines.append(f"Training did not break in the {plural(len(timeline), 'step')} seen, but took no optimizer step: the "
+        lines.append(f"Training did not break in the {plural(len(timeline), 'step')} seen{_partial_note(meta, timeline)}, but took no optimizer step: the "
                      "GradScaler skipped every one. Run more steps to tell start-up backoffs, which end once the "
                      "scale fits the gradients, from a failure.")
     elif rows is not None and timeline and _trained_nothing(timeline, _optimizer_steps(timeline, meta), rows):
-        lines.append(f"Nothing trained in the {plural(len(timeline), 'step')} seen: no backward pass, no optimizer.step() "
+        lines.append(f"Nothing trained in the {plural(len(timeline), 'step')} seen{_partial_note(meta, timeline)}: no backward pass, no optimizer.step() "
                      "and no GradScaler.update() ran (evaluation only?), so this shows forward outputs and weights "
                      "only. Watch the training loop to check its gradients and updates.")
     else:
-        lines.append(f"Training did not break in the {plural(len(timeline), 'step')} seen.")
+        lines.append(f"Training did not break in the {plural(len(timeline), 'step')} seen{_partial_note(meta, timeline)}.")
     if fn is not None:
         what = {"activation": "forward output", "gradient": "gradient", "weight_grad": "weight gradient",
                 "weight": "weights"}.get(fn["kind"], fn["kind"])
@@ -498,7 +503,17 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
         broke=decision is not None, step=None if decision is None else decision.step,
         reason=None if decision is None else decision.reason, first_nonfinite=fn, lines=lines,
         steps_seen=len(timeline), optimizer_steps=_optimizer_steps(timeline, meta), skipped_steps=skipped,
-        first_loss_nonfinite=first_loss_bad)
+        first_loss_nonfinite=first_loss_bad, steps_note=_partial_note(meta, timeline))
+
+
+def _partial_note(meta: dict, timeline: list) -> str:
+    """Where the run's last step counted ended before its step boundary (the session wrote what ran since the
+    last one at its close): cut short by a crash or an interrupt, or work after the last step (an evaluation)."""
+    if not meta.get("last_step_partial") or not timeline:
+        return ""
+    if meta.get("status") in ("crashed", "interrupted", "exited", "killed"):
+        return f" (the last cut short by the {'crash' if meta['status'] == 'crashed' else 'stop'}: {len(timeline) - 1} completed)"
+    return " (the last one partial: what ran after the last step ended)"
 
 
 def _a(word: str) -> str:

@@ -53,7 +53,7 @@ def render_text(report: Report, *, kinds: Sequence[str] = DEFAULT_KINDS, sort: s
     con.print(f"format {fmt.name}: max {fmt.max:.6g}, smallest normal {fmt.smallest_normal:.3g}, "
               f"smallest subnormal {fmt.smallest_subnormal:.3g}"
               + (f" (the run's: {report.meta['format_detected']})" if report.meta.get("format_detected") else "")
-              + f"; {plural(d.steps_seen, 'step')}, {plural(d.optimizer_steps, 'optimizer step')}")
+              + f"; {d.steps_said()}, {plural(d.optimizer_steps, 'optimizer step')}")
     con.print("")
     con.print("Diagnosis")
     for line in d.lines:
