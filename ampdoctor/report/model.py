@@ -508,12 +508,10 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
 
 def _partial_note(meta: dict, timeline: list) -> str:
     """Where the run's last step counted ended before its step boundary (the session wrote what ran since the
-    last one at its close): cut short by a crash or an interrupt, or work after the last step (an evaluation)."""
-    if not meta.get("last_step_partial") or not timeline:
-        return ""
-    if meta.get("status") in ("crashed", "interrupted", "exited", "killed"):
-        return f" (the last cut short by the {'crash' if meta['status'] == 'crashed' else 'stop'}: {len(timeline) - 1} completed)"
-    return " (the last one partial: what ran after the last step ended)"
+    last one at its close) because a crash, an interrupt or an exit cut it short."""
+    if not meta.get("last_step_partial") or not timeline or meta.get("status") not in ("crashed", "interrupted", "exited"):
+        return ""  # (a finished run's: what ran after its last step, an evaluation; or all of a run that never trained)
+    return f" (the last cut short by the {'crash' if meta['status'] == 'crashed' else 'stop'}: {len(timeline) - 1} completed)"
 
 
 def _a(word: str) -> str:
