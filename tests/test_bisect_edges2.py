@@ -331,3 +331,29 @@ def test_an_overflow_in_the_models_own_forward_code_is_named_there(tmp_path):
                                        f"test_bisect_edges2.py:{line}"), res["advice"]
     assert "keeping head in FP32 passes because its FP32 output makes that code run in FP32" in res["advice"][0]
     assert any(line.startswith("cause: The first NaN/Inf was made in") for line in _summary(res).splitlines())
+
+
+def _train_one_linear(steps: int = 20) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), 1e-6)
+    scaler = torch.amp.GradScaler("cpu")
+    for step in range(steps):
+        x = torch.randn(16, 8) * (1 + step) * 3000  # its output passes 65504 after a few steps
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().pow(2).mean() * 1e-12
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+
+def test_a_culprit_that_is_the_whole_model_is_not_confirmed_twice(tmp_path):
+    """The culprit is the all-FP32 control's own set (a model that is one Linear): that trial already ran as far
+    as the confirm would, so no confirm trial runs, and confirmed_to is the step it reached."""
+    import ampdoctor
+
+    res = ampdoctor.bisect(_train_one_linear, out=tmp_path, drill=False)
+    assert res["verdict"] == "culprit" and res["culprits"] == [""], res
+    assert not any(t.get("confirm") for t in res["trials"]), res["trials"]
+    assert res["confirmed_to"] == res["control_pass_after"] == 20, res  # (the script ends after 20 steps)

@@ -501,8 +501,12 @@ def _confirm(sr: Any, opts: BisectOptions, runner: TrialRunner, record: Callable
         return sum(not t.name.startswith(("baseline", "fp32-reference")) for t in runner.trials)
 
     passed = [t for t in runner.trials if t.outcome == "pass" and sorted(t.fp32) == sorted(culprits) and t.autocast]
-    if control_after <= pass_after or max((t.step or t.steps or 0 for t in passed), default=0) < pass_after:
+    ran = max((t.step or t.steps or 0 for t in passed), default=0)
+    if control_after <= pass_after or ran < pass_after:
         return sr, []  # capped by --max-steps, or the script ends before pass_after: nothing further to run
+    if any(t.name == "all-fp32" for t in passed):  # the control's own set: it ran as far already (or to the end)
+        result["confirmed_to"] = ran
+        return sr, []
     if opts.max_trials is not None and searched() >= opts.max_trials:
         return sr, [f"the culprits are verified to step {pass_after} only: --max-trials {opts.max_trials} left no "
                     f"trial to run them to step {control_after}"]
