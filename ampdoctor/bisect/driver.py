@@ -532,8 +532,6 @@ def _confirm(sr: Any, opts: BisectOptions, runner: TrialRunner, record: Callable
         result["pass_after"] = control_after
         result["confirmed_to"] = control_after
         return again, [note]
-    if again.verdict == "inconclusive" and not again.suspects:
-        again.suspects = culprits
     return again, [note, f"{shown} in FP32 passes step {pass_after}, not step {control_after}"]
 
 

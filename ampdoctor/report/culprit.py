@@ -72,6 +72,11 @@ def half_weights(report: Report) -> dict[str, str]:
     return {r.layer: r.dtype for r in report.rows("weight") if r.dtype in ("float16", "bfloat16")}
 
 
+def model_dtype(report: Report) -> str | None:
+    """A pure ``.half()``/``.bfloat16()`` model's dtype (every weight row in it), else None."""
+    return model_half(r.dtype for r in report.rows("weight"))
+
+
 def _row(report: Report, layer: str, kind: str) -> LayerRow | None:
     return next((r for r in report.layers if r.layer == layer and r.kind == kind), None)
 
@@ -178,6 +183,7 @@ def culprit_advice(report: Report, growth_said: bool = False) -> list[str]:
     why = "bisect verified that forcing it to FP32 makes training pass" if source == "bisect" else \
         "it was the first layer to produce a non-finite value from finite inputs"
     ev = "; ".join(f"{n}: {e}" for n in names if (e := _evidence(report, n)))
+    pure = model_dtype(report)
     lines = [f"Keep {', '.join(names)} in FP32 ({why}{'; ' + ev if ev else ''}): "
              + "; ".join(f"`ampdoctor.keep_fp32({module_expr(n, types=report.module_types)})`" for n in names)
              + root_hint(names, report.module_types, wrapper_of(report.notes))
@@ -185,7 +191,7 @@ def culprit_advice(report: Report, growth_said: bool = False) -> list[str]:
              + " — or in plain PyTorch: " + "; ".join(
                  plain_fix(module_expr(n, types=report.module_types), half_weights_under(n, half_weights(report)),
                            report.module_types.get(n), is_torch_module(report.module_types.get(n)),
-                           model_half(r.dtype for r in report.rows("weight")))
+                           pure)
                  for n in names)]
     weights = [w for n in names for w in _weights_beyond(report, n)]
     if source == "first_nonfinite":

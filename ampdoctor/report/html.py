@@ -17,7 +17,7 @@ from html import escape
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from ..naming import half_weights_under, model_half, root_hint, wrapper_of
+from ..naming import half_weights_under, root_hint, wrapper_of
 from .culprit import trains_without_autocast
 from .model import KIND_TITLES, LayerRow, Report, write_whole
 from .phrasing import fmt_bits as _bits
@@ -194,7 +194,7 @@ def _verdict(report: Report) -> str:
 
 def _fix(report: Report, ready: dict | None) -> str:
     from .advice import culprits, module_expr
-    from .culprit import half_weights
+    from .culprit import half_weights, model_dtype
     names, source = culprits(report)
     if ready is not None and not names:
         names = sorted({r.layer for r in ready["overflow"].get("activation", [])},
@@ -233,7 +233,7 @@ def _fix(report: Report, ready: dict | None) -> str:
         plain = (f"# or, in plain PyTorch (the weights are {halves[0][1]}: there is no autocast to turn off),\n"
                  "# once, before building the optimizer:\n" + "\n".join(f"{p}.float()" for p, _ in halves)
                  + "\n# and where it is called:\n" + "\n".join(f"y = {p}(x.float()).to(x.dtype)" for p, _ in halves))
-    elif (dtype := model_half(r.dtype for r in report.rows("weight"))):  # a pure half model, the culprit has no weights
+    elif (dtype := model_dtype(report)):  # a pure half model, the culprit has no weights
         plain = (f"# or, in plain PyTorch (the model is {dtype}: there is no autocast to turn off), where it is called:\n"
                  + "\n".join(f"y = {module_expr(n, types=report.module_types)}(x.float()).to(x.dtype)" for n in names)
                  + f"\n# (an output beyond {dtype}'s range overflows again at that cast: the layers after it need FP32 too)")

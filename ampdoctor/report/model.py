@@ -387,6 +387,7 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
     backoff = backoff_scales(timeline, n_start)
     lines = []
     status = meta.get("status", "?")
+    cut_short = _partial_note(meta, timeline)  # the last step cut short by a crash, an interrupt, an exit
     if not timeline:
         lines.append("No training step was seen: no optimizer.step() / GradScaler.update() ran while watching. "
                      "Did the script train, and was watch() called before the training loop?")
@@ -417,15 +418,15 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
                    "took: a divergence that broke the GradScaler, not an overflow a loss scale fixes")
         lines.append(f"Training broke at step {decision.step}: {how}.")
     elif stuck:
-        lines.append(f"Training did not break in the {plural(len(timeline), 'step')} seen{_partial_note(meta, timeline)}, but took no optimizer step: the "
+        lines.append(f"Training did not break in the {plural(len(timeline), 'step')} seen{cut_short}, but took no optimizer step: the "
                      "GradScaler skipped every one. Run more steps to tell start-up backoffs, which end once the "
                      "scale fits the gradients, from a failure.")
     elif rows is not None and timeline and _trained_nothing(timeline, _optimizer_steps(timeline, meta), rows):
-        lines.append(f"Nothing trained in the {plural(len(timeline), 'step')} seen{_partial_note(meta, timeline)}: no backward pass, no optimizer.step() "
+        lines.append(f"Nothing trained in the {plural(len(timeline), 'step')} seen{cut_short}: no backward pass, no optimizer.step() "
                      "and no GradScaler.update() ran (evaluation only?), so this shows forward outputs and weights "
                      "only. Watch the training loop to check its gradients and updates.")
     else:
-        lines.append(f"Training did not break in the {plural(len(timeline), 'step')} seen{_partial_note(meta, timeline)}.")
+        lines.append(f"Training did not break in the {plural(len(timeline), 'step')} seen{cut_short}.")
     if fn is not None:
         what = {"activation": "forward output", "gradient": "gradient", "weight_grad": "weight gradient",
                 "weight": "weights"}.get(fn["kind"], fn["kind"])
@@ -503,7 +504,7 @@ def _diagnose(timeline: list[dict], events: list[dict], meta: dict, rows: list[L
         broke=decision is not None, step=None if decision is None else decision.step,
         reason=None if decision is None else decision.reason, first_nonfinite=fn, lines=lines,
         steps_seen=len(timeline), optimizer_steps=_optimizer_steps(timeline, meta), skipped_steps=skipped,
-        first_loss_nonfinite=first_loss_bad, steps_note=_partial_note(meta, timeline))
+        first_loss_nonfinite=first_loss_bad, steps_note=cut_short)
 
 
 def _partial_note(meta: dict, timeline: list) -> str:
