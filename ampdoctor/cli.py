@@ -238,14 +238,22 @@ def _write_outputs(report, json_path: str | None, html_path: str | None, csv_pat
     if html_path and _html is None:
         raise click.ClickException("HTML reports are not available in this installation")
     jobs = []  # (what, path, write, say where it went)
+    page: list[str] = []  # the HTML, rendered once for the run folder's copy and --html's (its plots take seconds)
+
+    def write_html(p: Path) -> None:
+        if not page:
+            page.append(_html.render_html(report))
+        from .report.model import write_whole
+        write_whole(p, page[0])
+
     if out is not None:
         jobs.append(("JSON report", out / "report.json", report.to_json, False))
         if _html is not None:
-            jobs.append(("HTML report", out / "report.html", lambda p: _html.write_html(report, p), False))
+            jobs.append(("HTML report", out / "report.html", write_html, False))
     if json_path:
         jobs.append(("JSON report", json_path, report.to_json, True))
     if html_path:
-        jobs.append(("HTML report", html_path, lambda p: _html.write_html(report, p), True))
+        jobs.append(("HTML report", html_path, write_html, True))
     if csv_path:
         from .report.csvout import write_csv
         jobs.append(("CSV table", csv_path, lambda p: write_csv(report, p), True))

@@ -309,23 +309,24 @@ def live_writer(meta: dict | None) -> int | None:
     return pid
 
 
-def _discard_old_trace(path: Path) -> None:
+def _discard_old_trace(path: Path) -> int | None:
     """A new trace starts empty: a trace already at ``path`` from an earlier run (the same
     ``--out`` or ``watch(trace=...)`` used twice) is removed, or its steps, rows and events would be
     read back as this run's. Left alone while the process that writes it is still running (a
     spawned DataLoader worker that re-runs the script's ``watch()`` must not wipe its parent's
-    trace). A file that is not an ampdoctor trace is never touched: that is an error."""
+    trace). A file that is not an ampdoctor trace is never touched: that is an error. Returns the
+    pid of that parent (or further up) where it writes the trace, else None."""
     if not path.exists():
-        return
+        return None
     if path.stat().st_size:
         meta = trace_meta(path) if path.is_file() else None  # (opened once: trace_problem's test, inline)
         if meta is None:
             raise ValueError(f"{trace_problem(path) or path}; pass another trace path")
         pid = live_writer(meta)
         if pid is not None and _ancestor(pid):
-            log.info("ampdoctor trace: %s is being written by process %d, which started this one; adding to it",
-                     path, pid)
-            return
+            log.info("ampdoctor trace: %s is being written by process %d, which started this one; this process "
+                     "writes nothing to it", path, pid)
+            return pid
         if pid is not None:  # another run, going on: its steps and this one's would mix in one trace
             raise TraceUnwritable(f"{path} is the trace of a run still going on (process {pid} writes it): give "
                                   "watch(trace=...) (or --out) another path, or wait until that run ends")
@@ -334,6 +335,7 @@ def _discard_old_trace(path: Path) -> None:
             Path(f"{path}{suffix}").unlink()
         except FileNotFoundError:
             pass
+    return None
 
 
 WRITER_ENV = "AMPDOCTOR_TRACE_WRITER"  # "process" (default) or "thread"
@@ -434,9 +436,18 @@ class TraceWriter:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
+        # the pid of the process that started this one and writes this trace (a spawned DataLoader worker
+        # re-running the script's watch()): this writer then writes nothing (see add_step)
+        self.parent_writes: int | None = None
+        self._queued = self._written = 0
+        self.waited = 0.0
+        self._error: BaseException | None = None
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            _discard_old_trace(self.path)
+            self.parent_writes = _discard_old_trace(self.path)
+            if self.parent_writes is not None:  # its rows, meta and schema are the parent's: nothing is opened
+                self._closed, self._dirty, self._child, self._told = True, False, None, False
+                return
             con = _connect(self.path)
         except TraceUnwritable:
             raise
@@ -449,12 +460,10 @@ class TraceWriter:
         con.close()
         self._q: queue.Queue = queue.Queue()
         # bytes queued (the training thread adds) and written (the writer thread adds): their difference
-        # is what waits in memory; commit() waits while it is over MAX_PENDING (see _catch_up)
-        self._queued = self._written = 0
-        self.waited = 0.0  # seconds the training thread waited for the writer to catch up
+        # is what waits in memory; commit() waits while it is over MAX_PENDING (see _catch_up). waited:
+        # seconds the training thread waited for the writer to catch up
         self._closed = False
         self._dirty = False  # rows queued since the last commit marker
-        self._error: BaseException | None = None
         self._child = _start_child(self.path) if os.environ.get(WRITER_ENV, "process") != "thread" else None
         self._sent_meta: list | None = None  # the row descriptions the writer process holds (sent once while unchanged)
         if self._child is not None:
@@ -481,6 +490,14 @@ class TraceWriter:
             self._put(_STAT_ROWS, [(step, list(row_meta), np.ascontiguousarray(host_rows, dtype=np.float64), n_fields)])
 
     def add_step(self, row: Sequence) -> None:
+        if self.parent_writes is not None:  # a process the trace's writer started, training: said once, loudly
+            if not self._told:
+                self._told = True
+                import sys
+                print(f"ampdoctor: this process ({os.getpid()}) trains a watched model, but {self.path} is the trace "
+                      f"of the process that started it ({self.parent_writes}); this process's steps are not "
+                      f"recorded: give its watch() its own trace=... path", file=sys.stderr, flush=True)
+            return
         row = list(row)
         if isinstance(row[1], float) and row[1] != row[1]:
             row[1] = "nan"

@@ -145,6 +145,23 @@ def test_cli_report_writes_html_and_csv(run_dir, tmp_path):
     assert csv_path.read_text(encoding="utf-8").startswith("kind,layer,")
 
 
+def test_the_page_is_rendered_once_for_the_run_folder_and_html(run_dir, tmp_path, monkeypatch):
+    """`run --out D --html F` (and `report D --html F`) rendered the whole page, plots and all (seconds),
+    once for D/report.html and again for F. Once now; both files hold the same page."""
+    import ampdoctor.report.html as html_mod
+    from ampdoctor.cli import _write_outputs
+
+    calls = []
+    real = html_mod.render_html
+    monkeypatch.setattr(html_mod, "render_html", lambda rep: calls.append(1) or real(rep))
+    out = tmp_path / "out"
+    out.mkdir()
+    assert _write_outputs(build_report(run_dir), None, str(tmp_path / "r.html"), None, out)
+    assert len(calls) == 1
+    page = (out / "report.html").read_text(encoding="utf-8")
+    assert page.startswith("<!DOCTYPE html>") and page == (tmp_path / "r.html").read_text(encoding="utf-8")
+
+
 def test_min_and_max_per_layer_match_numpy_in_json_csv_and_html(tmp_path):
     """The report's rows carry each layer's smallest and largest finite value over the recorded steps
     (the trace had them; the report showed only abs-max). NaN/Inf left out, a layer with no finite

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import io
 import logging
+import os
 import pickle
 import subprocess
 import sys
@@ -418,7 +419,7 @@ def test_per_sample_gradients_through_torch_func_are_not_recorded_and_say_so(tmp
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert not [w for w in recwarn if "ampdoctor" in str(w.filename)], [str(w.message) for w in recwarn]
     r = TraceReader(tmp_path / "t.sqlite")
-    assert len(r.steps()) == 2
+    assert [s["step"] for s in r.steps()] == [0, 1]  # the parent's two, no more
     notes = [e["detail"]["message"] for e in r.events("note")]
     assert sum("torch.func transform" in n for n in notes) == 1 and not any("vmap:" in n for n in notes), notes
     assert {s["kind"] for s in r.stats()} == {"weight", "weight_grad"}
@@ -546,3 +547,68 @@ def test_a_trace_another_live_run_writes_is_refused(tmp_path):
     with ampdoctor.watch(model, trace=str(trace)):
         model(torch.randn(3, 2)).sum().backward()
     assert TraceReader(trace).meta()["pid"] != other.pid
+
+
+def test_a_spawned_dataloader_worker_that_re_runs_the_scripts_watch_leaves_the_trace_alone(tmp_path):
+    """A script with watch(trace=...) at its top level and a DataLoader of spawn workers (the default
+    on macOS, and forkserver from Python 3.14): each worker re-runs the top level, so its watch() opened
+    the training process's live trace and raised sqlite3 "database is locked" from our internals; the
+    worker died and so did the training ("DataLoader worker exited unexpectedly"). The worker now writes
+    nothing to it; the training records as without workers."""
+    trace = tmp_path / "t.sqlite"
+    script = tmp_path / "s.py"
+    script.write_text(textwrap.dedent(f"""
+        import torch, ampdoctor
+        model = torch.nn.Linear(4, 4)
+        w = ampdoctor.watch(model, trace={str(trace)!r})
+
+        class DS(torch.utils.data.Dataset):
+            def __len__(self):
+                return 8
+            def __getitem__(self, i):
+                return torch.full((4,), float(i))
+
+        if __name__ == "__main__":
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            for x in torch.utils.data.DataLoader(DS(), batch_size=4, num_workers=1, multiprocessing_context="spawn"):
+                opt.zero_grad(); model(x).sum().backward(); opt.step()
+            w.remove()
+            print("trained", flush=True)
+    """))
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert p.returncode == 0 and "trained" in p.stdout, p.stderr
+    assert "Traceback" not in p.stderr and "ampdoctor" not in p.stderr, p.stderr
+    r = TraceReader(trace)
+    assert r.meta()["status"] == "finished" and r.meta()["pid"] != 0
+    assert [s["step"] for s in r.steps()] == [0, 1]
+
+
+def test_a_child_that_trains_into_its_parents_live_trace_is_told_its_steps_are_not_recorded(tmp_path):
+    """A process the training process started that trains a watched model into the parent's live trace:
+    its rows would mix with the parent's (and its meta, pid and status, overwrite the parent's); they are
+    not written, and it is told so on stderr, once, with what to do."""
+    trace = tmp_path / "t.sqlite"
+    child = textwrap.dedent(f"""
+        import torch, ampdoctor
+        m = torch.nn.Linear(2, 2)
+        opt = torch.optim.SGD(m.parameters(), lr=0.01)
+        with ampdoctor.watch(m, trace={str(trace)!r}):
+            for _ in range(3):
+                opt.zero_grad(); m(torch.randn(3, 2)).sum().backward(); opt.step()
+    """)
+    model = nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    with ampdoctor.watch(model, trace=str(trace)):
+        for i in range(2):
+            opt.zero_grad()
+            model(torch.randn(3, 2)).sum().backward()
+            opt.step()
+            if i == 0:
+                p = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.count("ampdoctor:") == 1, p.stderr
+    assert (f"trains a watched model, but {trace} is the trace of the process that started it ({os.getpid()}); this "
+            "process's steps are not recorded: give its watch() its own trace=... path") in p.stderr.replace("\n", " ")
+    r = TraceReader(trace)
+    assert r.meta()["pid"] == os.getpid() and r.meta()["status"] == "finished"
+    assert [s["step"] for s in r.steps()] == [0, 1]  # the parent's two, no more
