@@ -237,13 +237,14 @@ def _write_outputs(report, json_path: str | None, html_path: str | None, csv_pat
         _html = None
     if html_path and _html is None:
         raise click.ClickException("HTML reports are not available in this installation")
+    from .report.model import write_whole
+
     jobs = []  # (what, path, write, say where it went)
     page: list[str] = []  # the HTML, rendered once for the run folder's copy and --html's (its plots take seconds)
 
-    def write_html(p: Path) -> None:
+    def write_html(p: Path) -> None:  # html.write_html, with the page kept (the caller made the folder)
         if not page:
             page.append(_html.render_html(report))
-        from .report.model import write_whole
         write_whole(p, page[0])
 
     if out is not None:
