@@ -46,12 +46,24 @@ _weakref = weakref.ref
 _lid_name = operator.itemgetter(0, 1)  # (lid, name) of a parameter entry
 _dtype_of = operator.attrgetter("dtype")
 _layout_of = operator.attrgetter("layout")
+_strided = torch.strided
 _numel = torch.Tensor.numel
 
 KINDS = ("activation", "gradient", "weight", "weight_grad")
 _CALL_KINDS = ("activation", "gradient")  # rows numbered by the module's call in the step
 _MAX_ROUND = 16  # units learnt for a round at most (see Session._unit_ends)
 DETAIL_AFTER_ANOMALY = 3  # with every=N, record this many steps in full after a non-finite loss
+
+
+def _bootstrapping_child() -> bool:
+    """Whether this process is a spawned or forkserver ``multiprocessing`` child importing the parent's
+    main module (``__mp_main__``) before it runs its target: code at the script's top level runs again
+    here."""
+    mp = sys.modules.get("multiprocessing")
+    try:
+        return mp is not None and bool(getattr(mp.current_process(), "_inheriting", False))
+    except Exception:  # pragma: no cover - not the multiprocessing we know
+        return False
 
 
 class StopRun(BaseException):
@@ -183,8 +195,15 @@ class Session:
 
         self._backward_started = backward_started
         self.rank = _rank()
-        self.trace_path = self._trace_path()
-        self.writer = TraceWriter(self.trace_path)
+        if not self.config.trace and _bootstrapping_child():
+            # a spawned (or forkserver) child re-running the script's top level, as a DataLoader worker
+            # does: the watch() found there makes its temporary trace, says where, and starts a writer
+            # process only if this process trains (most such processes only load data)
+            self.trace_path = None
+            self.writer = TraceWriter(None, deferred=self._start_trace)
+        else:
+            self.trace_path = self._trace_path()
+            self.writer = TraceWriter(self.trace_path)
         self.writer.set_meta(
             format=self.fmt.name, every=self.config.every, started=time.time(), status="running",
             argv=list(sys.argv), torch=torch.__version__, rank=self.rank, pid=os.getpid(), host=socket.gethostname(),
@@ -273,6 +292,10 @@ class Session:
             print(f"ampdoctor: recording to {p} (w.report(), or `ampdoctor report {shlex.quote(str(p))}`; watch(trace=...) "
                   "chooses the path)", file=sys.stderr)
         return p
+
+    def _start_trace(self) -> Path:
+        self.trace_path = self._trace_path()
+        return self.trace_path
 
     def prefix_for(self, root: Any) -> str:
         """How the names of ``root``'s modules start in the trace: "" for the first model watched,
@@ -489,15 +512,18 @@ class Session:
         if self.closed:
             return
         ts = [e[2] for e in entries]
+        layouts = list(map(_layout_of, ts))
+        if layouts.count(_strided) != len(layouts):
+            ts, layouts = self._sparse_values(entries, ts, layouts)
         # the rows' descriptions change only with the entries, dtypes, sizes and layouts (cached:
         # hundreds of parameters a step)
-        sig = (list(map(_lid_name, entries)), list(map(_dtype_of, ts)), list(map(_numel, ts)), list(map(_layout_of, ts)))
+        sig = (list(map(_lid_name, entries)), list(map(_dtype_of, ts)), list(map(_numel, ts)), layouts)
         cached = self._param_rows.get(kind)
         if cached is not None and cached[0] == sig:
             metas, keep, memo = cached[1], cached[2], cached[3]
         else:
             metas, keep, memo = [], [], {}  # memo: the launch plan of these rows (see StepRows.add_now)
-            for i, (lid, pname, t) in enumerate(entries):
+            for i, ((lid, pname, _), t) in enumerate(zip(entries, ts)):
                 if t.is_floating_point() and t.layout == torch.strided and not t.is_meta:  # (meta: no values)
                     n = t.numel()
                     metas.append((lid, kind, pname, 0, _dtype_name(t.dtype), n, n * t.element_size()))
@@ -514,6 +540,27 @@ class Session:
             rows.add_now(metas, ts, memo)
         except Exception as e:  # pragma: no cover - never break the user's training for a statistic
             log.warning("ampdoctor: could not record %d %s rows: %s: %s", len(ts), kind, type(e).__name__, e)
+
+    def _sparse_values(self, entries: list, ts: list, layouts: list) -> tuple[list, list]:
+        """Sparse COO gradients (``nn.Embedding(sparse=True)``, ``EmbeddingBag``) are measured by their
+        stored values, duplicate indices summed (``coalesce()``: the values the dense gradient holds
+        in the rows the batch touched); their row's ``numel`` is the count of those values. Each such
+        parameter gets a note once. Other layouts are left out, as before."""
+        ts, layouts = list(ts), list(layouts)
+        for i, t in enumerate(ts):
+            if layouts[i] is torch.sparse_coo and t.is_floating_point():
+                try:
+                    ts[i] = t.coalesce()._values()
+                except Exception as e:  # pragma: no cover - never break the user's training for a statistic
+                    log.warning("ampdoctor: could not read the sparse gradient of %s: %s: %s", entries[i][1],
+                                type(e).__name__, e)
+                    continue
+                layouts[i] = _strided
+                lid, pname = entries[i][0], entries[i][1]
+                self.note_layer(lid, f"the gradient of {pname} is sparse: its rows measure the values it stores (the "
+                                "rows of the weight that the step's inputs touched, repeated indices summed), and "
+                                "their element count is those values', not the weight's")
+        return ts, layouts
 
     def add_flag(self, lid: int, call: int, phase: str, flag: tuple | None) -> None:
         """Did this module's inputs/outputs/gradients hold NaN/Inf: the row slots of the tensors

@@ -434,14 +434,39 @@ class TraceWriter:
     it cannot start (``AMPDOCTOR_TRACE_WRITER=thread``, or no subprocess), or if it dies, the
     thread writes itself."""
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = Path(path)
+    def __init__(self, path: str | os.PathLike | None, deferred: Callable[[], Path] | None = None):
+        """``deferred`` (with ``path`` None): the trace is not made until the first step is added
+        (:meth:`start`), when ``deferred()`` gives its path; what is queued until then waits in memory,
+        and a writer closed before any step writes nothing at all (see ``Session._trace_path``)."""
+        self.path = Path(path) if path is not None else None
         # the pid of the process that started this one and writes this trace (a spawned DataLoader worker
         # re-running the script's watch()): this writer then writes nothing (see add_step)
         self.parent_writes: int | None = None
         self._queued = self._written = 0
         self.waited = 0.0
         self._error: BaseException | None = None
+        self._deferred = deferred
+        self._thread: threading.Thread | None = None
+        if deferred is not None:
+            self._q: queue.Queue = queue.Queue()
+            self._closed, self._dirty, self._child, self._sent_meta = False, False, None, None
+            return
+        self._open()
+
+    def start(self) -> None:
+        """Make a deferred trace now (see ``__init__``) and write what waited for it. A trace that
+        cannot be made is said once in the log; nothing is written then."""
+        make, self._deferred = self._deferred, None
+        if make is None or self._closed:
+            return
+        try:
+            self.path = make()
+            self._open()
+        except Exception as e:  # (never break the user's training for its trace)
+            log.warning("ampdoctor trace: not recorded: %s: %s", type(e).__name__, e)
+            self._closed = True
+
+    def _open(self) -> None:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.parent_writes = _discard_old_trace(self.path)
@@ -458,12 +483,13 @@ class TraceWriter:
         con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         con.commit()
         con.close()
-        self._q: queue.Queue = queue.Queue()
+        if not hasattr(self, "_q"):  # (a deferred trace keeps what was queued for it)
+            self._q = queue.Queue()
         # bytes queued (the training thread adds) and written (the writer thread adds): their difference
         # is what waits in memory; commit() waits while it is over MAX_PENDING (see _catch_up). waited:
         # seconds the training thread waited for the writer to catch up
         self._closed = False
-        self._dirty = False  # rows queued since the last commit marker
+        self._dirty = getattr(self, "_dirty", False)  # rows queued since the last commit marker
         self._child = _start_child(self.path) if os.environ.get(WRITER_ENV, "process") != "thread" else None
         self._sent_meta: list | None = None  # the row descriptions the writer process holds (sent once while unchanged)
         if self._child is not None:
@@ -498,6 +524,8 @@ class TraceWriter:
                       f"of the process that started it ({self.parent_writes}); this process's steps are not "
                       f"recorded: give its watch() its own trace=... path", file=sys.stderr, flush=True)
             return
+        if self._deferred is not None:
+            self.start()
         row = list(row)
         if isinstance(row[1], float) and row[1] != row[1]:
             row[1] = "nan"
@@ -524,13 +552,13 @@ class TraceWriter:
         if not self.waited:
             log.warning("ampdoctor trace: the writer is %.0f MB behind; training waits at step boundaries for it "
                         "to catch up (record less: every=N)", (self._queued - self._written) / 1e6)
-        while self._queued - self._written > self.MAX_PENDING // 2 and self._thread.is_alive():
+        while self._queued - self._written > self.MAX_PENDING // 2 and self._thread is not None and self._thread.is_alive():
             time.sleep(0.005)
         self.waited += max(time.monotonic() - t0, 1e-9)
 
     def flush(self, timeout: float = 30.0) -> None:
         """Block until everything queued so far is committed (syncs with the writer thread)."""
-        if self._closed or not self._thread.is_alive():
+        if self._closed or self._thread is None or not self._thread.is_alive():
             return
         done = threading.Event()
         self._q.put(done)
@@ -543,6 +571,9 @@ class TraceWriter:
         if self._closed:
             return
         self._closed = True
+        if self._thread is None:  # a deferred trace that no step started: nothing is made
+            self._deferred, self._q = None, queue.Queue()
+            return
         self._q.put(_STOP)
         last, since = self._written, time.monotonic()
         while self._thread.is_alive():

@@ -975,6 +975,8 @@ class Watch:
     def report(self, **kwargs: Any):
         """The per-layer report of what was recorded so far (flushes the trace first)."""
         from .report import build_report
+        if self.session.trace_path is None:  # (a deferred trace, see Session.__init__: asked for, it is made now)
+            self.session.writer.start()
         self.session.write_out()
         return build_report(self.trace_path, **kwargs)
 

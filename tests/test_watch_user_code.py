@@ -612,3 +612,114 @@ def test_a_child_that_trains_into_its_parents_live_trace_is_told_its_steps_are_n
     r = TraceReader(trace)
     assert r.meta()["pid"] == os.getpid() and r.meta()["status"] == "finished"
     assert [s["step"] for s in r.steps()] == [0, 1]  # the parent's two, no more
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_sparse_embedding_gradient_is_measured_by_the_values_it_holds(tmp_path, device):
+    """``nn.Embedding(sparse=True)`` under fp16 autocast and a GradScaler whose scale overflows fp16:
+    the embedding's weight gradient is a sparse COO tensor, uncoalesced (a token seen twice in a batch
+    has two entries). Its row holds the statistics of the dense gradient's rows that the batch touched
+    (repeated tokens summed), checked against numpy on the dense gradient, counts exact, the histogram
+    included; a note says what the row measures. (It had no row at all: sparse gradients were left out.)"""
+    from numpy_ref import reference_stats
+
+    from ampdoctor.formats import get_format
+
+    torch.manual_seed(0)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(50, 8, sparse=True)
+            self.fc = nn.Linear(8, 3)
+
+        def forward(self, x):
+            return self.fc(self.emb(x).mean(1))
+
+    m = M().to(device)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler(device, init_scale=2.0 ** 22, growth_interval=1)
+    refs, dupes = [], 0
+    trace = tmp_path / "t.sqlite"
+    with ampdoctor.watch(m, trace=str(trace)):
+        for _ in range(6):
+            x, y = torch.randint(0, 50, (6, 5), device=device), torch.randint(0, 3, (6,), device=device)
+            with torch.autocast(device, dtype=torch.float16):
+                loss = nn.functional.cross_entropy(m(x), y)
+            opt.zero_grad()
+            scaler.scale(loss).backward()
+            g = m.emb.weight.grad
+            assert g.layout == torch.sparse_coo
+            rows = np.unique(x.cpu().numpy())
+            dupes += x.numel() > rows.size
+            refs.append(g.to_dense().cpu().numpy().astype(np.float64)[rows])
+            scaler.step(opt)
+            scaler.update()
+    assert dupes  # (some batch repeated a token: its entries are summed)
+    fmt = get_format("fp16")
+    r = TraceReader(trace)
+    lid = {row["name"]: row["id"] for row in r.layers()}["emb"]
+    got = [s for s in r.stats(kind="weight_grad", layer=lid, with_hist=True)]
+    assert [s["step"] for s in got] == list(range(6))
+    overflow = 0
+    for s, ref_values in zip(got, refs):
+        ref = reference_stats(ref_values, fmt)
+        assert s["slot"] == "weight" and s["dtype"] == "float32"
+        for key, val in ref.items():
+            assert (list(s[key]) if key == "hist" else s[key]) == val, (s["step"], key)
+        overflow += ref["overflow"] + ref["posinf"] + ref["neginf"]
+    assert overflow  # (the scale made some of them too large for fp16: the counts are not all zero)
+    notes = [e["detail"]["message"] for e in r.events("note") if e["layer"] == "emb"]
+    assert len(notes) == 1 and "sparse" in notes[0]
+
+
+def test_spawned_children_that_re_run_a_top_level_watch_make_a_trace_only_if_they_train(tmp_path):
+    """A script whose top level calls ``watch(model)`` with no trace path, then a DataLoader of two
+    spawn workers (macOS's default start method; forkserver, Python 3.14's on Linux, re-runs the top level
+    too), then a spawned process that trains the model it re-created. Each DataLoader worker re-ran the
+    watch(): it made a temporary trace, started a writer process and printed "recording to" on stderr,
+    for a process that only loads data. Now only the processes that train make a trace and say where:
+    the script's own and the training child's, whose trace holds its steps."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    script = tmp_path / "s.py"
+    script.write_text(textwrap.dedent("""
+        import multiprocessing as mp, torch, ampdoctor
+        model = torch.nn.Linear(4, 4)
+        w = ampdoctor.watch(model)
+
+        class DS(torch.utils.data.Dataset):
+            def __len__(self):
+                return 8
+            def __getitem__(self, i):
+                return torch.full((4,), float(i))
+
+        def train(steps):
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            for _ in range(steps):
+                opt.zero_grad(); model(torch.randn(2, 4)).sum().backward(); opt.step()
+            w.remove()
+            print("child trace", w.trace_path, flush=True)
+
+        if __name__ == "__main__":
+            opt = torch.optim.SGD(model.parameters(), lr=0.01)
+            for x in torch.utils.data.DataLoader(DS(), batch_size=4, num_workers=2, multiprocessing_context="spawn"):
+                opt.zero_grad(); model(x).sum().backward(); opt.step()
+            p = mp.get_context("spawn").Process(target=train, args=(3,))
+            p.start(); p.join()
+            assert p.exitcode == 0
+            w.remove()
+            print("parent trace", w.trace_path, flush=True)
+    """))
+    env = {**os.environ, "TMPDIR": str(tmp)}
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert p.returncode == 0, p.stderr
+    assert "Traceback" not in p.stderr, p.stderr
+    said = [line for line in p.stderr.splitlines() if line.startswith("ampdoctor: recording to ")]
+    assert len(said) == 2, p.stderr  # (the script and the training child; not the two workers)
+    paths = dict(line.split(" trace ") for line in p.stdout.splitlines() if " trace " in line)
+    made = sorted(str(q) for q in tmp.glob("ampdoctor-*/trace.sqlite"))
+    assert made == sorted(paths.values())
+    assert [s["step"] for s in TraceReader(paths["parent"]).steps()] == [0, 1]
+    assert [s["step"] for s in TraceReader(paths["child"]).steps()] == [0, 1, 2]
+    assert len(list(tmp.glob("ampdoctor-*"))) == 2  # (no empty folder left by a worker)
