@@ -513,7 +513,7 @@ class Session:
             return
         ts = [e[2] for e in entries]
         layouts = list(map(_layout_of, ts))
-        if layouts.count(_strided) != len(layouts):
+        if layouts.count(_strided) != len(layouts) and kind == "weight_grad":
             ts, layouts = self._sparse_values(entries, ts, layouts)
         # the rows' descriptions change only with the entries, dtypes, sizes and layouts (cached:
         # hundreds of parameters a step)
