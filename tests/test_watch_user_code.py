@@ -674,8 +674,8 @@ def test_a_sparse_embedding_gradient_is_measured_by_the_values_it_holds(tmp_path
 
 
 def test_spawned_children_that_re_run_a_top_level_watch_make_a_trace_only_if_they_train(tmp_path):
-    """A script whose top level calls ``watch(model)`` with no trace path, then a DataLoader of two
-    spawn workers (macOS's default start method; forkserver, Python 3.14's on Linux, re-runs the top level
+    """A script whose top level calls ``watch(model)`` with no trace path, then a DataLoader of a
+    spawn worker (macOS's default start method; forkserver, Python 3.14's on Linux, re-runs the top level
     too), then a spawned process that trains the model it re-created. Each DataLoader worker re-ran the
     watch(): it made a temporary trace, started a writer process and printed "recording to" on stderr,
     for a process that only loads data. Now only the processes that train make a trace and say where:
@@ -703,7 +703,7 @@ def test_spawned_children_that_re_run_a_top_level_watch_make_a_trace_only_if_the
 
         if __name__ == "__main__":
             opt = torch.optim.SGD(model.parameters(), lr=0.01)
-            for x in torch.utils.data.DataLoader(DS(), batch_size=4, num_workers=2, multiprocessing_context="spawn"):
+            for x in torch.utils.data.DataLoader(DS(), batch_size=4, num_workers=1, multiprocessing_context="spawn"):
                 opt.zero_grad(); model(x).sum().backward(); opt.step()
             p = mp.get_context("spawn").Process(target=train, args=(3,))
             p.start(); p.join()
@@ -716,7 +716,7 @@ def test_spawned_children_that_re_run_a_top_level_watch_make_a_trace_only_if_the
     assert p.returncode == 0, p.stderr
     assert "Traceback" not in p.stderr, p.stderr
     said = [line for line in p.stderr.splitlines() if line.startswith("ampdoctor: recording to ")]
-    assert len(said) == 2, p.stderr  # (the script and the training child; not the two workers)
+    assert len(said) == 2, p.stderr  # (the script and the training child; not the worker)
     paths = dict(line.split(" trace ") for line in p.stdout.splitlines() if " trace " in line)
     made = sorted(str(q) for q in tmp.glob("ampdoctor-*/trace.sqlite"))
     assert made == sorted(paths.values())
