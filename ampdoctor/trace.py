@@ -437,21 +437,27 @@ class TraceWriter:
     def __init__(self, path: str | os.PathLike | None, deferred: Callable[[], Path] | None = None):
         """``deferred`` (with ``path`` None): the trace is not made until the first step is added
         (:meth:`start`), when ``deferred()`` gives its path; what is queued until then waits in memory,
-        and a writer closed before any step writes nothing at all (see ``Session._trace_path``)."""
+        and a writer closed before any step writes nothing at all (see ``Session.__init__``)."""
         self.path = Path(path) if path is not None else None
         # the pid of the process that started this one and writes this trace (a spawned DataLoader worker
         # re-running the script's watch()): this writer then writes nothing (see add_step)
         self.parent_writes: int | None = None
+        # bytes queued (the training thread adds) and written (the writer thread adds): their difference
+        # is what waits in memory; commit() waits while it is over MAX_PENDING (see _catch_up). waited:
+        # seconds the training thread waited for the writer to catch up
         self._queued = self._written = 0
         self.waited = 0.0
         self._error: BaseException | None = None
         self._deferred = deferred
+        self._q: queue.Queue = queue.Queue()
+        self._closed = False
+        self._dirty = False  # rows queued since the last commit marker
+        self._child = None
+        self._sent_meta: list | None = None  # the row descriptions the writer process holds (sent once while unchanged)
+        self._told = False  # (see add_step)
         self._thread: threading.Thread | None = None
-        if deferred is not None:
-            self._q: queue.Queue = queue.Queue()
-            self._closed, self._dirty, self._child, self._sent_meta = False, False, None, None
-            return
-        self._open()
+        if deferred is None:
+            self._open()
 
     def start(self) -> None:
         """Make a deferred trace now (see ``__init__``) and write what waited for it. A trace that
@@ -471,7 +477,7 @@ class TraceWriter:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.parent_writes = _discard_old_trace(self.path)
             if self.parent_writes is not None:  # its rows, meta and schema are the parent's: nothing is opened
-                self._closed, self._dirty, self._child, self._told = True, False, None, False
+                self._closed = True
                 return
             con = _connect(self.path)
         except TraceUnwritable:
@@ -483,15 +489,8 @@ class TraceWriter:
         con.execute("INSERT OR REPLACE INTO meta VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),))
         con.commit()
         con.close()
-        if not hasattr(self, "_q"):  # (a deferred trace keeps what was queued for it)
-            self._q = queue.Queue()
-        # bytes queued (the training thread adds) and written (the writer thread adds): their difference
-        # is what waits in memory; commit() waits while it is over MAX_PENDING (see _catch_up). waited:
-        # seconds the training thread waited for the writer to catch up
-        self._closed = False
-        self._dirty = getattr(self, "_dirty", False)  # rows queued since the last commit marker
+        # (a deferred trace's queue holds what was queued before it was made: written now)
         self._child = _start_child(self.path) if os.environ.get(WRITER_ENV, "process") != "thread" else None
-        self._sent_meta: list | None = None  # the row descriptions the writer process holds (sent once while unchanged)
         if self._child is not None:
             _LIVE.add(self)
         self._thread = threading.Thread(target=self._loop, name="ampdoctor-trace-writer", daemon=True)
